@@ -2,7 +2,7 @@
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
@@ -25,8 +25,13 @@ class TrainConfig:
     global_batch_size: int = 128
     accum_steps: int = 1
     sync_bn: bool = False
-    bucket_cap_mb: float = 25.0
-    strategy_options: dict = field(default_factory=dict)  # strategy-specific extras
+    # strategy-specific options: each strategy receives those its constructor takes
+    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size
+    allreduce: str = "psum"  # ddp: "psum" | "ring" (reduce-scatter + all-gather by ppermute)
+    compress: Optional[str] = None  # ddp: None | "bf16" | "fp16" | "powersgd"
+    powersgd_rank: int = 1
+    staleness: int = 0  # async parameter server: max updates a worker's weights may lag
+    mesh_shape: Optional[Tuple[int, int]] = None  # hsdp: (replicas, shards)
     # optimisation
     epochs: int = 1
     optimizer: str = "sgd"
@@ -43,6 +48,8 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps; 0 = once per epoch
     progress: bool = True
 
+    STRATEGY_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape")
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
@@ -52,5 +59,6 @@ class TrainConfig:
         Devices, output paths and progress display may change across a resume;
         anything that changes the math may not.
         """
-        ignored = {"out", "resume", "progress", "devices", "checkpoint_every", "data_dir", "download"}
+        ignored = {"out", "resume", "progress", "devices", "checkpoint_every", "data_dir", "download",
+                   "strategy", "mesh_shape", "bucket_cap_mb"}
         return {k: v for k, v in json.loads(self.to_json()).items() if k not in ignored}

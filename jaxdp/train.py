@@ -47,12 +47,30 @@ def _setup(cfg: TrainConfig):
     schedule = make_schedule(cfg.schedule, cfg.lr, steps * cfg.epochs, warmup_steps=cfg.warmup_steps)
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
-    options = dict(cfg.strategy_options)
-    if cfg.strategy in ("ddp",):
-        options.setdefault("bucket_cap_mb", cfg.bucket_cap_mb)
     strategy = create_strategy(cfg.strategy, model, tx, mesh, accum_steps=cfg.accum_steps,
-                               sync_bn=cfg.sync_bn, **options)
+                               sync_bn=cfg.sync_bn, **strategy_options(cfg))
     return strategy, schedule, train_set, test_set, per_device, steps
+
+
+def strategy_options(cfg: TrainConfig) -> dict:
+    """The options ``cfg.strategy`` takes; a changed option it does not take is an error."""
+    import inspect
+
+    from jaxdp.strategies import REGISTRY, StrategyError
+
+    if cfg.strategy not in REGISTRY:
+        return {}  # create_strategy names the valid choices
+    accepted = inspect.signature(REGISTRY[cfg.strategy].__init__).parameters
+    defaults = TrainConfig()
+    options = {}
+    for name in TrainConfig.STRATEGY_OPTIONS:
+        value = getattr(cfg, name)
+        if name in accepted:
+            options[name] = value
+        elif value != getattr(defaults, name):
+            flag = "--" + name.replace("_", "-")
+            raise StrategyError(f"{flag} does not apply to strategy {cfg.strategy!r}")
+    return options
 
 
 def init_variables(model, seed: int, image_shape=(32, 32, 3)):
