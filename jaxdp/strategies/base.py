@@ -142,7 +142,7 @@ class Strategy:
         self.sync_bn = sync_bn
         # Parity checks compare the averaged gradients too; off in training (it costs memory).
         self.return_grads = return_grads
-        self.model = model.clone(bn_axis_name=self.batch_axes if sync_bn else None)
+        self.model = _with_bn_axis(model, self.batch_axes if sync_bn else None)
         self._jit_step = None
         self._jit_eval = None
 
@@ -232,7 +232,7 @@ class Strategy:
         return self._jit_eval(state, images, labels, mask)
 
     def _local_eval(self, state, images, labels, mask):
-        logits = self.model.clone(bn_axis_name=None).apply(
+        logits = _with_bn_axis(self.model, None).apply(
             {"params": self.eval_params(state), "batch_stats": state.batch_stats}, images, train=False
         )
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
@@ -243,6 +243,11 @@ class Strategy:
             "correct": jax.lax.psum((correct * weight).sum(), self.batch_axes),
             "count": jax.lax.psum(weight.sum(), self.batch_axes),
         }
+
+
+def _with_bn_axis(model, axis):
+    """The model with BatchNorm statistics over ``axis`` (None: per device). BN-free models pass through."""
+    return model.clone(bn_axis_name=axis) if hasattr(model, "bn_axis_name") else model
 
 
 def _as_tuple(axes):

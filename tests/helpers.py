@@ -1,0 +1,43 @@
+"""Small shared pieces for the tests: tiny models, random batches, tree comparison."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdp.models import create_model
+
+
+def tiny_resnet(dtype="float64", **kw):
+    """A one-block-per-stage ResNet-18 layout: every code path, a fraction of the cost."""
+    return create_model("resnet18", width=4, blocks=(1, 1, 1, 1), dtype=dtype, **kw)
+
+
+class TinyConvNet(nn.Module):
+    """No BatchNorm: for checks where per-batch statistics would break an equality."""
+
+    dtype: jnp.dtype = jnp.float64
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Conv(4, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, param_dtype=self.dtype)(x)
+        x = nn.relu(x).mean(axis=(1, 2))
+        return nn.Dense(10, dtype=self.dtype, param_dtype=self.dtype)(x)
+
+
+def random_batch(n, size=8, seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, size, size, 3)).astype(dtype), rng.integers(0, 10, n).astype(np.int32)
+
+
+def init(model, size=8, seed=0):
+    return model.init(jax.random.key(seed), jnp.zeros((1, size, size, 3), model.dtype), train=False)
+
+
+def max_rel_error(a, b):
+    """Largest per-tensor relative error (max |a-b| / max |b|) over two matching trees."""
+    errs = jax.tree_util.tree_map(
+        lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(y)).max(), 1e-300)),
+        a, b,
+    )
+    return max(jax.tree_util.tree_leaves(errs), default=0.0)
