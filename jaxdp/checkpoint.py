@@ -38,11 +38,21 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self._manager.latest_step()
 
-    def restore(self, like_state, global_step: Optional[int] = None) -> Tuple[object, dict]:
-        """Restore into the shapes, dtypes and shardings of ``like_state``."""
+    def read_meta(self, global_step: Optional[int] = None) -> Tuple[int, dict]:
+        """The JSON record alone (cheap): check it before restoring arrays of the wrong shape."""
+        step = self._step_or_latest(global_step)
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return step, restored["meta"]
+
+    def _step_or_latest(self, global_step: Optional[int]) -> int:
         step = self.latest_step() if global_step is None else global_step
         if step is None:
             raise CheckpointError(f"no checkpoint to resume from in {self.directory}")
+        return step
+
+    def restore(self, like_state, global_step: Optional[int] = None) -> Tuple[object, dict]:
+        """Restore into the shapes, dtypes and shardings of ``like_state``."""
+        step = self._step_or_latest(global_step)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
         try:
             restored = self._manager.restore(

@@ -157,8 +157,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
 
     start_epoch, start_step = 0, 0
     if cfg.resume and ckpt.latest_step() is not None:
-        canonical, meta = ckpt.restore(strategy.canonical(state))
+        step, meta = ckpt.read_meta()
         _check_fingerprint(meta["fingerprint"], fingerprint, ckpt.directory)
+        canonical, meta = ckpt.restore(strategy.canonical(state), step)
         state = strategy.from_canonical(canonical)
         start_epoch, start_step = meta["epoch"], meta["step_in_epoch"]
     global_step = start_epoch * steps_per_epoch + start_step
