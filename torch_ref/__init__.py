@@ -2,6 +2,21 @@
 
 It shares only the numpy data pipeline and the weight conversion
 (``jaxdp.interop``) with jaxdp; everything else is ordinary PyTorch.
+
+- ``models``: torchvision-layout ResNets (``resnet(name, num_classes, width, blocks, stem)``).
+- ``strategies``: dp (``nn.DataParallel``), ddp (``DistributedDataParallel`` + comm hooks),
+  zero1 (DDP + ``ZeroRedundancyOptimizer``), zero2/zero3 (FSDP2 ``fully_shard``,
+  ``reshard_after_forward`` False/True), hsdp (FSDP2 on a 2-D ``DeviceMesh``).
+- ``train``: ``torchrun --nproc_per_node N -m torch_ref.train ...``, the options, data,
+  metrics and checkpoints of ``jaxdp train``.
+- ``step_api``: ``build(config, init_state_dict) -> Runner``; ``Runner.step`` returns loss,
+  averaged grads, params, BN buffers and optimizer state for parity checks.
+- ``launcher``: ``run_steps(world_size, config, init_state_dict, batches)`` runs those steps
+  on N gloo processes from one Python call.
+- ``checkpoint``, ``dist``: strategy-independent checkpoints; process-group plumbing.
+
+Nothing here imports JAX at module level (``jaxdp.optim`` is imported only for a
+non-constant lr schedule), so torch ranks start without it.
 """
 
 from torch_ref.models import MODELS, STEMS, ResNet, resnet

@@ -1,0 +1,221 @@
+"""One training step at a time, with everything a parity check compares.
+
+Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)::
+
+    runner = build(config, init_state_dict)      # every rank, same arguments
+    out = runner.step(images_nhwc, labels)       # every rank, its own rows (collect=False:
+                                                 # losses only, no gathers)
+    # rank 0: {"loss", "loss_per_rank", "accuracy", "lr", "grads", "params",
+    #          "buffers", "optimizer_state"}; other ranks: None
+
+``config`` keys (``DEFAULTS`` lists them with their defaults; unknown keys are refused):
+
+- ``strategy``: dp | ddp | zero1 | zero2 | zero3 | hsdp
+- model: ``model``, ``width``, ``blocks``, ``stem``, ``num_classes``; ``dtype``: float32 |
+  float64 (``model.double()``) | bfloat16 (fp32 params, bf16 compute: FSDP2
+  ``MixedPrecisionPolicy`` on CUDA, ``torch.autocast`` otherwise)
+- optimizer: ``optimizer`` (sgd | adam | adamw), ``lr``, ``momentum``, ``nesterov``,
+  ``weight_decay``, ``betas``, ``eps``; schedule: ``schedule``, ``total_steps``,
+  ``warmup_steps`` (``LambdaLR`` over ``jaxdp.optim.torch_lr_lambda``)
+- ``accum_steps`` (micro-batches per update; DDP ``no_sync`` / FSDP2
+  ``set_requires_gradient_sync(False)`` on all but the last), ``sync_bn`` (CUDA only)
+- ddp/zero1: ``bucket_cap_mb``, ``compress`` (alias ``comm_hook``: None | bf16 | fp16 |
+  powersgd), ``powersgd_rank``, ``powersgd_start_iter`` (default 1000, as torch and jaxdp;
+  >= 2), ``powersgd_q`` ({param name:
+  initial Q}, shapes from ``strategies.powersgd_shapes``), ``powersgd_seed``
+- hsdp: ``mesh_shape`` (replicas, shards); dp: ``devices`` (GPUs for nn.DataParallel)
+
+What is returned, all numpy, by torch name:
+
+- ``grads``: the averaged gradient the optimizer stepped with: ``.grad`` after DDP's
+  all-reduce; for FSDP2 the reduce-scattered shards gathered with ``full_tensor()``. With
+  accumulation it is the sum over micro-batches of grad(loss / K), averaged over ranks.
+- ``params``: full params after the step; ``buffers``: rank 0's BN running mean/var.
+- ``optimizer_state``: {name: {"momentum_buffer"} or {"exp_avg", "exp_avg_sq", "step"}},
+  consolidated (ZeroRedundancyOptimizer) or gathered (FSDP2 DTensors).
+- ``loss``: mean over ranks of each rank's loss (itself the mean over its micro-batches);
+  ``loss_per_rank``; ``accuracy`` over the global batch; ``lr`` used by this step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from torch_ref import dist as tdist
+from torch_ref import strategies
+from torch_ref.models import resnet
+from torch_ref.strategies import StrategyError
+
+DEFAULTS: Dict[str, Any] = {
+    "strategy": "ddp",
+    "model": "resnet18", "width": 64, "blocks": None, "stem": "cifar", "num_classes": 10,
+    "dtype": "float32",
+    "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0,
+    "betas": (0.9, 0.999), "eps": 1e-8,
+    "schedule": "constant", "total_steps": 1, "warmup_steps": 0,
+    "accum_steps": 1, "sync_bn": False, "seed": 0,
+    "bucket_cap_mb": 25.0, "compress": None, "powersgd_rank": 1, "powersgd_start_iter": 1000,
+    "powersgd_q": None, "powersgd_seed": 0,
+    "mesh_shape": None, "devices": None,
+}
+ALIASES = {"comm_hook": "compress"}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+
+# config key -> the wrap() option it feeds, for the strategies that take it.
+_STRATEGY_KEYS = ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter",
+                  "powersgd_q", "powersgd_seed", "mesh_shape", "devices")
+
+
+def resolve_config(config: Mapping[str, Any]) -> Dict[str, Any]:
+    """``config`` over ``DEFAULTS``; unknown keys and options the strategy ignores are errors."""
+    cfg = dict(DEFAULTS)
+    for key, value in config.items():
+        key = ALIASES.get(key, key)
+        if key not in DEFAULTS:
+            raise StrategyError(f"unknown config key {key!r}; known: {', '.join(sorted(DEFAULTS))}")
+        cfg[key] = value
+    if cfg["dtype"] not in DTYPES:
+        raise StrategyError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
+    if int(cfg["accum_steps"]) < 1:
+        raise StrategyError(f"accum_steps must be >= 1, got {cfg['accum_steps']}")
+    return cfg
+
+
+def strategy_options(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """The strategy's own options; a non-default value for one it does not take is an error."""
+    accepted = strategies.STRATEGY_OPTIONS.get(cfg["strategy"], ())
+    options = {}
+    for key in _STRATEGY_KEYS:
+        if key in accepted:
+            options[key] = cfg[key]
+        elif cfg[key] != DEFAULTS[key]:
+            raise StrategyError(f"option {key!r} (--{key.replace('_', '-')}) does not apply to strategy {cfg['strategy']!r}")
+    return options
+
+
+def load_init_state(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Copy a {torch name: array} state_dict into ``model`` (cast to its dtype).
+    ``num_batches_tracked`` may be absent; any other missing or extra key is an error."""
+    sd = {k: torch.as_tensor(np.asarray(v)) for k, v in state_dict.items()}
+    result = model.load_state_dict(sd, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
+    if missing or result.unexpected_keys:
+        raise StrategyError(f"init_state_dict does not match the model: missing {missing}, "
+                            f"unexpected {list(result.unexpected_keys)}")
+
+
+def to_torch_batch(images_nhwc: np.ndarray, labels: np.ndarray, device: torch.device,
+                   dtype: torch.dtype):
+    """NHWC numpy (the shared pipeline's layout) -> contiguous NCHW tensor, int64 labels."""
+    x = torch.from_numpy(np.ascontiguousarray(images_nhwc)).permute(0, 3, 1, 2)
+    x = x.to(device=device, dtype=dtype).contiguous()
+    y = torch.from_numpy(np.asarray(labels)).to(device=device, dtype=torch.int64)
+    return x, y
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy().copy()
+
+
+class Runner:
+    """A wrapped model, its optimizer and scheduler, stepped one global batch at a time."""
+
+    def __init__(self, cfg: Dict[str, Any], parallel: strategies.Parallel, optimizer, scheduler):
+        self.config = cfg
+        self.parallel = parallel
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.dtype = DTYPES[cfg["dtype"]]
+        self.steps = 0
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor):
+        """Forward/backward over ``accum_steps`` micro-batches, gradient sync on the last
+        only. Returns (this rank's mean micro-batch loss, correct count, the lr the coming
+        update uses). Leaves the averaged gradients in ``.grad``."""
+        k = self.config["accum_steps"]
+        if x.shape[0] % k:
+            raise StrategyError(f"per-rank batch {x.shape[0]} is not divisible by {k} accumulation steps")
+        par = self.parallel
+        par.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+        correct = torch.zeros((), dtype=torch.int64, device=x.device)
+        for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            with par.micro_step(sync=(i == k - 1)):
+                logits = par.model(xm)
+                loss = F.cross_entropy(logits, ym)
+                (loss / k).backward()
+            loss_sum += loss.detach().double()
+            correct += (logits.detach().argmax(-1) == ym).sum()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        return loss_sum / k, correct, lr
+
+    def update(self) -> None:
+        """The optimizer step with the averaged grads, then one scheduler step."""
+        self.optimizer.step()
+        self.scheduler.step()
+        self.steps += 1
+
+    def step(self, images_nhwc: np.ndarray, labels: np.ndarray, collect: bool = True) -> Optional[dict]:
+        """One update on this rank's batch; the comparison record on rank 0, None elsewhere.
+        ``collect=False`` returns only the losses, accuracy and lr (no gathers)."""
+        par = self.parallel
+        x, y = to_torch_batch(images_nhwc, labels, par.device, self.dtype)
+        loss, correct, lr = self.forward_backward(x, y)
+        grads = strategies.full_grads(par) if collect else None
+        self.update()
+        per_rank = tdist.all_gather_floats([float(loss), float(correct), x.shape[0]])
+        if collect:
+            params = strategies.full_params(par)
+            opt_state = strategies.full_optimizer_state(par, self.optimizer)
+        if tdist.rank() != 0:
+            return None
+        out = {
+            "step": self.steps,
+            "loss": float(per_rank[:, 0].mean()),
+            "loss_per_rank": per_rank[:, 0].tolist(),
+            "accuracy": float(per_rank[:, 1].sum() / per_rank[:, 2].sum()),
+            "lr": lr,
+        }
+        if collect:
+            out["grads"] = {n: _numpy(g) for n, g in grads.items()}
+            out["params"] = {n: _numpy(p) for n, p in params.items()}
+            out["buffers"] = {n: _numpy(b) for n, b in par.module.named_buffers()
+                              if n.endswith(("running_mean", "running_var"))}
+            out["optimizer_state"] = {n: {k: _numpy(v) for k, v in s.items()}
+                                      for n, s in opt_state.items()}
+        return out
+
+
+def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]] = None) -> Runner:
+    """A Runner for ``config`` (see the module docstring), starting from ``init_state_dict``
+    ({torch name: numpy array}; None: torch's init under ``torch.manual_seed(seed)``).
+    Call on every rank with the same arguments, inside an initialised process group."""
+    cfg = resolve_config(config)
+    options = strategy_options(cfg)
+    device = tdist.device()
+    torch.manual_seed(cfg["seed"])
+    try:
+        model = resnet(cfg["model"], num_classes=cfg["num_classes"], width=cfg["width"],
+                       blocks=cfg["blocks"], stem=cfg["stem"])
+    except ValueError as e:  # unknown model or stem, bad width or blocks: say which
+        raise StrategyError(str(e)) from None
+    model = model.to(device=device, dtype=DTYPES[cfg["dtype"]])
+    if init_state_dict is not None:
+        load_init_state(model, init_state_dict)
+    parallel = strategies.wrap(cfg["strategy"], model, device=device, sync_bn=cfg["sync_bn"],
+                               mixed_precision=cfg["dtype"] == "bfloat16",
+                               **options)
+    optimizer = strategies.make_optimizer(
+        parallel, cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"], nesterov=cfg["nesterov"],
+        weight_decay=cfg["weight_decay"], betas=cfg["betas"], eps=cfg["eps"])
+    scheduler = strategies.make_scheduler(optimizer, cfg["schedule"], cfg["lr"], cfg["total_steps"],
+                                          warmup_steps=cfg["warmup_steps"])
+    return Runner(cfg, parallel, optimizer, scheduler)

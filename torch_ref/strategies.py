@@ -1,0 +1,533 @@
+"""The data-parallel strategies, each the stock PyTorch recipe in a few lines.
+
+=========  ===================================================================  =========
+strategy   PyTorch                                                              jaxdp
+=========  ===================================================================  =========
+``dp``     ``nn.DataParallel`` (one process, >= 2 GPUs); otherwise one process  ``dp``
+           on the full batch (see ``DP_FALLBACK_NOTE``)
+``ddp``    ``DistributedDataParallel(bucket_cap_mb=, forward_sync_buffers=True)``  ``ddp``
+           (torch 2.13's name for ``broadcast_buffers=True``), optional comm
+           hook: bf16 / fp16 compression or PowerSGD
+``zero1``  DDP + ``ZeroRedundancyOptimizer`` (optimizer state sharded)          ``zero1``
+``zero2``  FSDP2 ``fully_shard`` on each residual block and the root,           ``zero2``
+           ``reshard_after_forward=False`` (params stay gathered until backward)
+``zero3``  the same with ``reshard_after_forward=True`` (re-gathered in backward)  ``zero3``
+``hsdp``   FSDP2 on a 2-D ``DeviceMesh`` ("replicate", "shard")                 ``hsdp``
+=========  ===================================================================  =========
+
+``wrap(name, model, ...)`` returns a ``Parallel``: the wrapped model plus the handful of
+things a training loop must do differently per strategy (skip gradient sync on
+accumulation micro-steps, build the optimizer, gather full tensors out of shards). The
+loops in ``train.py`` and ``step_api.py`` never branch on the strategy name.
+
+FSDP2 notes (torch 2.13, CPU/gloo): ``fully_shard`` works on CPU with gloo, FSDP1 does
+not. Parameters become ``DTensor`` shards along dim 0 (padded), gradients are
+reduce-scattered and averaged over ranks, optimizer states are DTensors too; every
+"full" view below is a ``full_tensor()`` all-gather, so every rank must call it. BN
+buffers are not sharded and not synchronised: each rank keeps the running stats of its
+own batches, as DDP does between its per-forward broadcasts (``sync_buffers`` copies rank
+0's before evaluation and checkpoints, which is what DDP's next forward would do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_ref import dist as tdist
+
+STRATEGIES = ("dp", "ddp", "zero1", "zero2", "zero3", "hsdp")
+COMPRESSIONS = ("bf16", "fp16", "powersgd")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+class StrategyError(ValueError):
+    """A strategy or option that cannot run here; the message says why and what to do."""
+
+
+DP_FALLBACK_NOTE = """\
+torch_ref: strategy 'dp' without >= 2 CUDA GPUs: training in ONE process on the FULL batch.
+  Why this is DataParallel's math: nn.DataParallel splits the batch over its GPUs, runs a
+  replica of the model on each chunk, gathers the outputs on GPU 0 and computes the loss
+  there, on the whole batch. Autograd sums the replicas' gradients back onto GPU 0
+  (ReduceAdd), so the gradient is that of the full-batch mean loss: the same gradient one
+  process computes on the full batch. (On a machine without GPUs nn.DataParallel itself
+  just calls the module, which is what happens here.)
+  The exception is BatchNorm: under DataParallel every replica normalises with the
+  statistics of its own chunk (like DDP), and only replica 0's running-stat updates
+  survive (it shares its buffers with the original module; the other replicas' copies
+  are discarded), so the running stats follow chunk 0. Here there is one chunk, so BN
+  normalises with full-batch statistics (what SyncBatchNorm would compute) and the running
+  stats are the full batch's. With BN removed or in eval mode the two are identical."""
+
+FSDP_MP_CPU_NOTE = (
+    "torch_ref: bf16 with FSDP2 on CPU: using torch.autocast(bf16) over fp32 params instead of "
+    "MixedPrecisionPolicy(param_dtype=bf16). The policy casts BatchNorm's weight to bf16 but not "
+    "its fp32 running stats, a mix CPU batch_norm refuses ('expected scalar type BFloat16 but "
+    "found Float'; cuDNN accepts it). Convolutions see the same bf16 weights either way; "
+    "gradients are reduced in fp32 either way; only the all-gathers move fp32 instead of bf16.")
+
+SYNC_BN_CPU_NOTE = (
+    "--sync-bn needs CUDA: torch's SyncBatchNorm raises 'SyncBatchNorm expected input tensor "
+    "to be on GPU' for CPU tensors in a multi-rank group. On CPU, train without --sync-bn "
+    "(per-rank BN statistics, as DDP), or run the jaxdp side, whose sync_bn works on CPU.")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the whole value: all-gathers a DTensor (collective), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _residual_blocks(model: nn.Module):
+    """The ResNet's residual blocks (torchvision layout: layer1..layer4 are Sequentials)."""
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        yield from getattr(model, stage)
+
+
+# ----------------------------------------------------------------------------- the strategies
+
+def dp(model: nn.Module, *, device: torch.device, devices: Optional[int] = None,
+       announce: bool = True) -> nn.Module:
+    """``nn.DataParallel`` over ``devices`` GPUs (default: all), or ``model`` itself on CPU."""
+    if tdist.world_size() > 1:
+        raise StrategyError("strategy 'dp' is single-process (nn.DataParallel); run it without "
+                            "torchrun, or use ddp for one process per device")
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus >= 2:
+        ids = list(range(devices or gpus))
+        return nn.DataParallel(model, device_ids=ids)
+    if announce:
+        print(DP_FALLBACK_NOTE, file=sys.stderr, flush=True)
+    return model
+
+
+def ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0,
+        compress: Optional[str] = None, powersgd_rank: int = 1, powersgd_start_iter: int = 1000,
+        powersgd_q: Optional[Mapping[str, Any]] = None, powersgd_seed: int = 0):
+    """``DistributedDataParallel`` with rank 0's BN buffers broadcast before every forward.
+
+    ``compress``: None (fp32/fp64 all-reduce of ``g / N``), ``"bf16"`` / ``"fp16"``
+    (``default_hooks.bf16_compress_hook`` / ``fp16_compress_hook``: cast, divide by N in low
+    precision, sum, cast back) or ``"powersgd"`` (``powerSGD_hook`` with rank
+    ``powersgd_rank``, error feedback and warm start). Returns ``(ddp_model, hook_state)``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if bucket_cap_mb <= 0:
+        raise StrategyError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    wrapped = DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=True)
+    state = None
+    if compress is not None:
+        state = register_comm_hook(wrapped, compress, rank=powersgd_rank,
+                                   start_iter=powersgd_start_iter, initial_q=powersgd_q,
+                                   seed=powersgd_seed)
+    return wrapped, state
+
+
+def zero1(model: nn.Module, **ddp_options):
+    """DDP for the gradients; ``make_optimizer`` then shards the optimizer state
+    (``ZeroRedundancyOptimizer``: each rank steps the params it owns and broadcasts them)."""
+    return ddp(model, **ddp_options)
+
+
+def fsdp(model: nn.Module, *, reshard_after_forward: bool, mesh=None,
+         mixed_precision: bool = False) -> nn.Module:
+    """FSDP2: ``fully_shard`` each residual block, then the root (stem, fc and whatever the
+    blocks left). ``reshard_after_forward=False`` keeps each block's gathered params until
+    its backward (ZeRO-2: one all-gather per step); ``True`` frees them after the forward
+    and all-gathers again in the backward (ZeRO-3). With ``mixed_precision`` the forward
+    and backward run in bf16 and gradients are reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: Dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+    for block in _residual_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def zero2(model: nn.Module, **options) -> nn.Module:
+    return fsdp(model, reshard_after_forward=False, **options)
+
+
+def zero3(model: nn.Module, **options) -> nn.Module:
+    return fsdp(model, reshard_after_forward=True, **options)
+
+
+def hsdp_mesh_shape(mesh_shape: Optional[Sequence[int]], world: int) -> Tuple[int, int]:
+    """(replicas, shards). Default: shard within a node, replicate across nodes
+    (torchrun's LOCAL_WORLD_SIZE ranks per node); on one node that is (1, world)."""
+    import os
+
+    if mesh_shape is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local if local >= 1 and world % local == 0 else world
+        return world // local, local
+    shape = tuple(int(s) for s in mesh_shape)
+    if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != world:
+        raise StrategyError(f"mesh_shape {tuple(mesh_shape)} must be (replicas, shards) with "
+                            f"replicas x shards = world size {world}")
+    return shape
+
+
+def hsdp(model: nn.Module, *, device: torch.device, mesh_shape: Optional[Sequence[int]] = None,
+         mixed_precision: bool = False) -> nn.Module:
+    """HSDP: FSDP2 over a 2-D mesh. Params are sharded over "shard" and replicated over
+    "replicate"; gradients are reduce-scattered within a shard group, then all-reduced
+    across replica groups (ZeRO-3 resharding, as ``zero3``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = hsdp_mesh_shape(mesh_shape, tdist.world_size())
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return fsdp(model, reshard_after_forward=True, mesh=mesh, mixed_precision=mixed_precision)
+
+
+# ----------------------------------------------------------------------------- comm hooks
+
+def powersgd_shapes(model: nn.Module, rank: int, min_compression_rate: float = 2.0) -> Dict[str, Tuple[int, int]]:
+    """{param name: shape of its initial Q} for the params PowerSGD compresses.
+
+    PowerSGD views a gradient as the matrix ``g.view(g.shape[0], -1)`` (n x m) and
+    compresses it to P (n x r) and Q (m x r), r = min(n, m, rank), when that saves at
+    least ``min_compression_rate``; smaller tensors (biases, BN) are all-reduced as is.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    shapes = {}
+    for name, p in model.named_parameters():
+        n = p.shape[0]
+        m = p.numel() // n
+        r = min(n, m, rank)
+        if _should_compress(n, m, r, min_compression_rate)[0]:
+            shapes[name] = (m, r)
+    return shapes
+
+
+def register_comm_hook(model, compress: str, *, rank: int = 1, start_iter: int = 1000,
+                       initial_q: Optional[Mapping[str, Any]] = None, seed: int = 0):
+    """Register a DDP communication hook; returns its state (None for bf16/fp16).
+
+    PowerSGD: vanilla all-reduce until the hook has seen ``start_iter`` calls for bucket 0
+    (default 1000, torch's ``PowerSGDState`` default and jaxdp's; torch requires >= 2 with
+    warm start or error feedback), then rank-``rank``
+    compression with error feedback and warm start. Its initial Q matrices are random
+    (``powersgd_seed``); ``initial_q`` ({param name: array shaped as ``powersgd_shapes``
+    says}) replaces that draw, e.g. to feed both frameworks the same Q. Either way the hook
+    orthogonalises Q before its first use.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    if compress == "bf16":
+        cuda = torch.cuda.is_available()
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook if cuda else bf16_compress_hook_gloo)
+        return None
+    if compress == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if compress != "powersgd":
+        raise StrategyError(f"unknown compress {compress!r}; choose one of {', '.join(COMPRESSIONS)}")
+    if rank < 1:
+        raise StrategyError(f"powersgd_rank must be >= 1, got {rank}")
+    if start_iter < 2:
+        raise StrategyError(f"powersgd_start_iter must be >= 2 (torch's PowerSGD with warm start "
+                            f"and error feedback refuses less), got {start_iter}")
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                               start_powerSGD_iter=start_iter, use_error_feedback=True,
+                               warm_start=True, random_seed=seed)
+    if initial_q is None:
+        model.register_comm_hook(state, psgd.powerSGD_hook)
+        return state
+    names = {p: n for n, p in model.module.named_parameters()}
+    expected = powersgd_shapes(model.module, rank, state.min_compression_rate)
+    missing = sorted(set(expected) - set(initial_q))
+    if missing:
+        raise StrategyError(f"initial Q missing for compressed params: {', '.join(missing)}")
+
+    def hook(state, bucket):
+        index = bucket.index()
+        if state.iter >= state.start_powerSGD_iter and index not in state.q_memory_dict:
+            _seed_bucket_q(state, bucket, names, initial_q, expected)
+        return psgd.powerSGD_hook(state, bucket)
+
+    model.register_comm_hook(state, hook)
+    return state
+
+
+def bf16_compress_hook_gloo(process_group, bucket):
+    """``default_hooks.bf16_compress_hook`` for gloo: the very same function body
+    (``_compress_hook(torch.bfloat16, ...)``) under another name. DDP refuses a hook *named*
+    ``bf16_compress_hook`` unless CUDA with NCCL >= 2.10 is present, a guard for NCCL's bf16
+    support; gloo all-reduces bf16 fine. (No return annotation: DDP compares it with
+    ``Future[Tensor]``, and this module's postponed annotations would make it a string.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _seed_bucket_q(state, bucket, names, initial_q, expected) -> None:
+    """Pre-fill the hook's P/Q buffers for this bucket, in the order the hook slices them:
+    compressed tensors grouped by matrix shape, in order of first appearance."""
+    groups: Dict[Tuple[int, int], list] = {}
+    p_size = 0
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        name = names[p]
+        if name not in expected:
+            continue
+        n, (m, r) = g.shape[0], expected[name]
+        groups.setdefault((n, m), []).append(name)
+        p_size += n * r
+    buf = bucket.buffer()
+    qs = []
+    for group in groups.values():
+        for name in group:
+            q = torch.as_tensor(initial_q[name])
+            if tuple(q.shape) != expected[name]:
+                raise StrategyError(f"initial Q for {name} has shape {tuple(q.shape)}, "
+                                    f"expected {expected[name]}")
+            qs.append(q.to(buf.dtype).reshape(-1))
+    state.p_memory_dict[bucket.index()] = torch.empty(p_size, device=buf.device, dtype=buf.dtype)
+    state.q_memory_dict[bucket.index()] = (torch.cat(qs) if qs else buf.new_empty(0)).to(buf.device)
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+@dataclass
+class Parallel:
+    """A model wrapped by a strategy, and the per-strategy details a loop needs.
+
+    ``model`` is what to call (DDP / DataParallel / the FSDP2 root); ``module`` is the
+    ResNet underneath, whose ``named_parameters()`` give the torch names used everywhere.
+    """
+
+    name: str
+    model: nn.Module
+    module: nn.Module
+    device: torch.device
+    comm_state: Any = None
+    autocast_dtype: Optional[torch.dtype] = None  # bf16 compute by autocast (mixed precision)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: params, grads and optimizer states are DTensor shards."""
+        return self.name in ("zero2", "zero3", "hsdp")
+
+    @contextlib.contextmanager
+    def micro_step(self, sync: bool):
+        """Context for one accumulation micro-step; ``sync=False`` keeps gradients local.
+
+        DDP: ``no_sync()`` (grads accumulate in ``.grad``; the all-reduce of their sum runs
+        on the last micro-step). FSDP2: ``set_requires_gradient_sync(False)`` (unsharded
+        grads accumulate; one reduce-scatter on the last micro-step).
+        """
+        if sync:
+            ctx = contextlib.nullcontext()
+        elif hasattr(self.model, "no_sync"):
+            ctx = self.model.no_sync()
+        elif self.sharded:
+            ctx = _fsdp_no_sync(self.model)
+        else:
+            ctx = contextlib.nullcontext()  # dp: one process, nothing to sync
+        with ctx, self.autocast():
+            yield
+
+    def autocast(self):
+        """``torch.autocast(bf16)`` under mixed precision where no FSDP2 policy casts."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Eval mode, no grad, rank 0's BN stats everywhere; back to train mode after,
+        with FSDP2 params resharded (zero2 would otherwise keep them gathered)."""
+        self.sync_buffers()
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                yield self.model
+        finally:
+            if self.sharded:
+                from torch.distributed.fsdp import FSDPModule
+
+                for m in self.module.modules():
+                    if isinstance(m, FSDPModule):
+                        m.reshard()
+            self.model.train()
+
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's BN running stats (what DDP's next forward does).
+        FSDP2 leaves buffers per rank; call before evaluation and checkpoints."""
+        if tdist.world_size() > 1 and self.sharded:
+            for b in self.module.buffers():
+                dist.broadcast(b, 0)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+STRATEGY_OPTIONS = {
+    "dp": ("devices",),
+    "ddp": ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q",
+            "powersgd_seed"),
+    "zero1": ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q",
+              "powersgd_seed"),
+    "zero2": (),
+    "zero3": (),
+    "hsdp": ("mesh_shape",),
+}
+
+
+def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
+         sync_bn: bool = False, mixed_precision: bool = False, announce: bool = True,
+         **options) -> Parallel:
+    """Wrap ``model`` (already on ``device``, in its final dtype) for strategy ``name``.
+
+    ``options`` are the strategy's own (``STRATEGY_OPTIONS``); any other is an error.
+    ``mixed_precision``: FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+    on CUDA (on CPU, see ``FSDP_MP_CPU_NOTE``); for dp/ddp/zero1, ``torch.autocast(bf16)``
+    around forward and loss (params and grads stay fp32).
+    ``sync_bn``: ``SyncBatchNorm`` (CUDA only).
+    """
+    if name not in STRATEGIES:
+        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    device = device or tdist.device()
+    accepted = STRATEGY_OPTIONS[name]
+    unknown = [k for k in options if k not in accepted]
+    if unknown:
+        raise StrategyError(f"strategy {name!r} takes no option {', '.join(unknown)} "
+                            f"(it takes: {', '.join(accepted)})")
+    if sync_bn:
+        if device.type != "cuda":
+            raise StrategyError(SYNC_BN_CPU_NOTE)
+        if name == "dp":
+            raise StrategyError("--sync-bn needs one process per GPU (ddp, zero*, hsdp), not dp")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    comm_state, autocast = None, None
+    if name in ("zero2", "zero3", "hsdp"):
+        policy = mixed_precision and device.type == "cuda"
+        if mixed_precision and not policy:
+            autocast = torch.bfloat16
+            if announce and tdist.rank() == 0:
+                print(FSDP_MP_CPU_NOTE, file=sys.stderr, flush=True)
+        if name == "hsdp":
+            wrapped = hsdp(model, device=device, mixed_precision=policy, **options)
+        else:
+            wrapped = (zero2 if name == "zero2" else zero3)(model, mixed_precision=policy, **options)
+        module = wrapped  # fully_shard works in place: the root is the model
+    else:
+        autocast = torch.bfloat16 if mixed_precision else None
+        if name == "dp":
+            wrapped = dp(model, device=device, announce=announce, **options)
+        else:
+            wrapped, comm_state = (zero1 if name == "zero1" else ddp)(model, device=device, **options)
+        module = model
+    return Parallel(name=name, model=wrapped, module=module, device=device,
+                    comm_state=comm_state, autocast_dtype=autocast)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+def make_optimizer(parallel: Parallel, name: str, lr: float, *, momentum: float = 0.9,
+                   nesterov: bool = False, weight_decay: float = 0.0,
+                   betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
+    """``torch.optim.SGD`` / ``Adam`` / ``AdamW`` with every option explicit (AdamW's own
+    default weight decay, 1e-2, is never used); ``ZeroRedundancyOptimizer`` for zero1."""
+    if name == "sgd":
+        cls, kw = torch.optim.SGD, dict(momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    elif name in ("adam", "adamw"):
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        kw = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    else:
+        raise StrategyError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    params = list(parallel.module.parameters())
+    try:
+        if parallel.name == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(params, optimizer_class=cls, lr=lr, **kw)
+        return cls(params, lr=lr, **kw)
+    except ValueError as e:  # torch's own refusals (nesterov without momentum, ...)
+        raise StrategyError(f"optimizer {name!r}: {e}") from None
+
+
+def make_scheduler(optimizer, schedule: str, lr: float, total_steps: int, *,
+                   warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` with ``jaxdp.optim.torch_lr_lambda``: the lr of the k-th update is the
+    same number jaxdp's optax schedule gives (call ``scheduler.step()`` once per update).
+    ``constant`` needs no formula, which spares every rank the JAX import."""
+    if schedule == "constant" and warmup_steps == 0:
+        factor: Callable[[int], float] = _one
+    else:
+        from jaxdp.optim import ConfigError, torch_lr_lambda
+
+        try:
+            factor = torch_lr_lambda(schedule, lr, total_steps, warmup_steps=warmup_steps)
+        except ConfigError as e:
+            raise StrategyError(str(e)) from None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _one(step: int) -> float:
+    return 1.0
+
+
+# ----------------------------------------------------------------------------- full views
+
+def full_params(parallel: Parallel) -> Dict[str, torch.Tensor]:
+    """{name: full param} on every rank (all-gathers FSDP shards)."""
+    return {n: full_tensor(p.detach()) for n, p in parallel.module.named_parameters()}
+
+
+def full_grads(parallel: Parallel) -> Dict[str, torch.Tensor]:
+    """{name: averaged gradient} as the optimizer sees it (after all-reduce/reduce-scatter)."""
+    return {n: full_tensor(p.grad.detach()) for n, p in parallel.module.named_parameters()
+            if p.grad is not None}
+
+
+def full_optimizer_state(parallel: Parallel, optimizer) -> Optional[Dict[str, Dict[str, torch.Tensor]]]:
+    """{param name: {"momentum_buffer" | "exp_avg" | "exp_avg_sq" | "step": tensor}}, on
+    rank 0 (None elsewhere). Collective: every rank must call it.
+
+    ZeroRedundancyOptimizer: ``consolidate_state_dict(to=0)`` gathers every rank's shard on
+    rank 0. FSDP2: each state is a DTensor shard; ``full_tensor()`` all-gathers it."""
+    names = [n for n, _ in parallel.module.named_parameters()]
+    if parallel.name == "zero1":
+        optimizer.consolidate_state_dict(to=0)
+        if tdist.rank() != 0:
+            return None
+        state = optimizer.state_dict()["state"]
+        return {names[i]: {k: _tensor(v) for k, v in s.items() if v is not None}
+                for i, s in state.items()}
+    out = {}
+    for name, p in parallel.module.named_parameters():
+        s = optimizer.state.get(p, {})
+        out[name] = {k: full_tensor(_tensor(s[k])) for k in sorted(s) if s[k] is not None}
+    return out if tdist.rank() == 0 else None
+
+
+def _tensor(v):
+    return v if torch.is_tensor(v) else torch.as_tensor(v)
