@@ -1,0 +1,149 @@
+"""Classic single-controller data parallelism: torch's ``nn.DataParallel``, with ``jax.pmap``.
+
+``nn.DataParallel`` runs in one process and, every step:
+
+1. scatters the batch in equal chunks over the devices and replicates the
+   module from device 0 (params and BN buffers);
+2. runs each replica on its chunk, BN normalising with that chunk's statistics;
+3. gathers the outputs onto device 0 and computes the loss there: the *mean over
+   the full batch* B. Backward splits the output gradient back to the chunks,
+   so chunk i's gradient is (b_i / B) * grad(chunk mean loss), and the replicate
+   step's backward (``ReduceAddCoalesced``) SUMS them onto device 0;
+4. steps the optimizer on device 0 only; the optimizer state lives there;
+5. keeps device 0's BN running stats (replica 0 updates the module's own
+   buffers; the other replicas' updates are discarded).
+
+``pmap`` is used on purpose: it is the single-controller API, one Python call
+driving every device, as DataParallel is. (It is in maintenance mode; in
+JAX 0.10 it lowers through ``jit(shard_map)``, so the program XLA sees is the
+same kind as for the other strategies.)
+
+How XLA represents it. XLA compiles *one* SPMD program that every device runs,
+so "only device 0" is data-dependent control flow, not a different program:
+
+- gather to device 0: N-1 ``collective-permute`` ops with
+  ``source_target_pairs={{j,0}}`` (one per other device; no other device
+  receives anything), carrying the whole flat gradient;
+- sum and optimizer update: a ``conditional`` on ``axis_index == 0``; the other
+  devices take the empty branch and keep a stale copy of the optimizer state
+  that is never read (pmap's layout has a slot on every device);
+  ``canonical`` returns device 0's;
+- broadcast from device 0: a binomial tree of ceil(log2 N)
+  ``collective-permute`` ops (round k: devices [0, 2^k) send to [2^k, 2^(k+1))),
+  carrying params and BN stats. Torch's replicate step (``Broadcast``/NCCL
+  broadcast) happens at the start of the next forward; doing it at the end of
+  the step gives the same numbers and keeps the state replicated between steps.
+
+There is no all-reduce of gradient size. Scalar metrics (loss, accuracy) are
+``psum``-ed for the trainer's convenience; torch computes them on device 0.
+
+Numbers: identical to DDP's except the gradient arithmetic, sum_i (g_i * b/B)
+in device order rather than psum(g_i / N); float64 agrees to ~1e-16.
+Single process only (as ``nn.DataParallel``); use ``ddp`` across hosts.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxdp.strategies.base import Strategy, StrategyError, local_grads, train_metrics
+
+
+def gather_to_first(x, axis, n: int):
+    """[x_0, x_1, ..., x_{n-1}] on device 0 (zeros elsewhere): one collective-permute j -> 0 per device."""
+    return [x] + [jax.lax.ppermute(x, axis, [(j, 0)]) for j in range(1, n)]
+
+
+def broadcast_from_first(x, axis, n: int):
+    """Device 0's ``x`` on every device, by a binomial tree of ceil(log2 n) collective-permutes."""
+    i = jax.lax.axis_index(axis)
+    k = 1
+    while k < n:
+        received = jax.lax.ppermute(x, axis, [(j, j + k) for j in range(k) if j + k < n])
+        x = jnp.where((i >= k) & (i < 2 * k), received, x)
+        k *= 2
+    return x
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def __init__(self, model, tx, mesh, **kwargs):
+        super().__init__(model, tx, mesh, **kwargs)
+        if self.sync_bn:
+            raise StrategyError("dp: nn.DataParallel has no SyncBatchNorm; use ddp --sync-bn")
+        if jax.process_count() > 1:
+            raise StrategyError("dp is single-process (one controller, like nn.DataParallel); use ddp")
+        self.devices = list(mesh.devices.flat)
+        self._sharding = NamedSharding(mesh, P(self.batch_axes))
+        self._pmap_step = jax.pmap(self._device_step, axis_name=self.axis, devices=self.devices,
+                                   donate_argnums=0)
+        self._pmap_eval = jax.pmap(self._device_eval, axis_name=self.axis, devices=self.devices)
+
+    # -- placement: every leaf gets a leading device axis (pmap's layout) ---------------------
+    def place(self, state):
+        n = self.num_devices
+        return jax.tree_util.tree_map(
+            lambda x: jax.device_put(np.broadcast_to(np.asarray(x)[None], (n,) + np.shape(x)), self._sharding),
+            state)
+
+    def canonical(self, state):
+        """Device 0's copy: the state nn.DataParallel's module and optimizer hold."""
+        return jax.tree_util.tree_map(lambda x: jax.device_put(x[0], self.devices[0]), state)
+
+    def shard_batch(self, images, labels, mask=None):
+        n = self.num_devices
+        if images.shape[0] % n:
+            raise StrategyError(f"dp: batch {images.shape[0]} does not split into {n} equal chunks")
+        arrays = [images, labels] + ([mask] if mask is not None else [])
+        return tuple(jax.device_put(a.reshape(n, a.shape[0] // n, *a.shape[1:]), self._sharding)
+                     for a in arrays)
+
+    # -- the step -------------------------------------------------------------------------------
+    def _device_step(self, state, images, labels):
+        n, axis = self.num_devices, self.axis
+        loss, grads, batch_stats, correct = local_grads(
+            self.model, state.params, state.batch_stats, images, labels, self.accum_steps)
+        # Full-batch mean loss: this chunk's share of the gradient is (b/B) * grad(chunk mean).
+        b = images.shape[0]
+        flat, unravel = ravel_pytree(grads)
+        parts = gather_to_first(flat * (b / (b * n)), axis, n)
+
+        def update(params, opt_state):  # device 0 only: ReduceAdd in device order, then the optimizer
+            total = parts[0]
+            for g in parts[1:]:
+                total = total + g
+            updates, opt_state = self.tx.update(unravel(total), opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, total
+
+        def idle(params, opt_state):
+            return params, opt_state, jnp.zeros_like(flat)
+
+        is_first = jax.lax.axis_index(axis) == 0
+        params, opt_state, total = jax.lax.cond(is_first, update, idle, state.params, state.opt_state)
+        # Replicate params and BN buffers from device 0 (its BN stats are chunk 0's).
+        flat_state, unravel_state = ravel_pytree((params, batch_stats))
+        params, batch_stats = unravel_state(broadcast_from_first(flat_state, axis, n))
+        new_state = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
+                                  opt_state=opt_state)
+        metrics = train_metrics(loss, correct, b, axis)
+        if self.return_grads:  # parity checks only: device 0's summed gradient
+            metrics["grads"] = unravel(broadcast_from_first(total, axis, n))
+        return new_state, metrics
+
+    def step(self, state, images, labels):
+        state, metrics = self._pmap_step(state, images, labels)
+        return state, jax.tree_util.tree_map(lambda x: x[0], metrics)
+
+    def lower_step(self, state, images, labels):
+        return self._pmap_step.lower(state, images, labels)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def _device_eval(self, state, images, labels, mask):
+        return self._local_eval(state, images, labels, mask)
+
+    def evaluate(self, state, images, labels, mask):
+        return jax.tree_util.tree_map(lambda x: x[0], self._pmap_eval(state, images, labels, mask))

@@ -1,0 +1,311 @@
+"""Gradient compression: torch's bf16/fp16 hooks against numpy, PowerSGD against torch's own hook and numpy."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pickle  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from helpers import TinyConvNet, max_rel_error, random_batch  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from test_dp import init  # noqa: E402  (numpy-drawn variables: no init compile)
+
+from jaxdp.collectives import ring_all_reduce  # noqa: E402
+from jaxdp.compression import PowerSGD, low_precision_reduce  # noqa: E402
+from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.strategies import create_strategy  # noqa: E402
+from jaxdp.strategies.base import cross_entropy  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+BF16, F16 = ml_dtypes.bfloat16, np.float16
+
+
+def shard_grads(model, params, x, y, n):
+    grad = jax.jit(jax.grad(lambda p, xs, ys: cross_entropy(model.apply({"params": p}, xs), ys)))
+    return [grad(params, xs, ys) for xs, ys in zip(np.split(x, n), np.split(y, n))]
+
+
+def hook_math(grads, low, hop_rounding: bool):
+    """torch's compress hook on numpy: buffer.to(low).div_(N), SUM, .to(orig).
+
+    hop_rounding: round to ``low`` after every addition (gloo/NCCL, device order);
+    else add exactly and round once (XLA:CPU promotes the all-reduce to f32).
+    """
+    n = len(grads)
+    parts = [np.asarray(g).astype(low) / low(n) for g in grads]
+    if hop_rounding:
+        total = parts[0]
+        for p in parts[1:]:
+            total = (total + p).astype(low)
+    else:
+        total = np.sum([p.astype(np.float64) for p in parts], axis=0).astype(low)
+    return total.astype(np.asarray(grads[0]).dtype)
+
+
+def ddp_reduced_grads(model, variables, x, y, n, **options):
+    strategy = create_strategy("ddp", model, optax.sgd(0.0), make_mesh(n), return_grads=True, **options)
+    state = strategy.init_state(variables)
+    return strategy.step(state, *strategy.shard_batch(x, y))[1]["grads"]
+
+
+@pytest.mark.parametrize("compress,low", [("bf16", BF16), ("fp16", F16)])
+def test_low_precision_hook_equals_numpy_hook_math(compress, low):
+    model = TinyConvNet()
+    variables = init(model)
+    x, y = random_batch(16)
+    for n in (2, 4):
+        got = ddp_reduced_grads(model, variables, x, y, n, compress=compress)
+        per_shard = shard_grads(model, variables["params"], x, y, n)
+        for path, g in jax.tree_util.tree_leaves_with_path(got):
+            shards = [np.asarray(_at(s, path)) for s in per_shard]
+            g = np.asarray(g)
+            if n == 2:  # one addition: every implementation rounds the same
+                np.testing.assert_array_equal(g, hook_math(shards, low, hop_rounding=True))
+            else:  # summation order and rounding are the all-reduce's own: bound the difference
+                u = 2.0 ** -(8 if low is BF16 else 11)  # unit roundoff
+                bound = (n - 1) * u * sum(np.abs(s.astype(low).astype(np.float64) / n) for s in shards)
+                for hop_rounding in (True, False):
+                    assert np.all(np.abs(g - hook_math(shards, low, hop_rounding)) <= 2 * bound)
+
+
+def test_bf16_ring_rounds_at_every_hop_in_ring_order():
+    n, length = 4, 13
+    x = np.random.default_rng(1).normal(size=(n, length))
+    f = jax.jit(jax.shard_map(
+        lambda v: low_precision_reduce(v[0], jnp.bfloat16, n, "data", ring_all_reduce)[None],
+        mesh=make_mesh(n), in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    got = np.asarray(f(x))[0]
+    # Chunk c (of ceil(13/4) = 4 elements, zero-padded) is summed from device c+1 round to c.
+    parts = (x.astype(BF16) / BF16(n)).astype(BF16)
+    want = np.zeros(length)
+    for c in range(n):
+        sl = slice(4 * c, min(4 * c + 4, length))
+        acc = parts[(c + 1) % n, sl]
+        for d in range(2, n + 1):
+            acc = (acc + parts[(c + d) % n, sl]).astype(BF16)
+        want[sl] = acc.astype(np.float64)
+    np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k.key]
+    return tree
+
+
+def to_torch(x):
+    x = np.asarray(x)
+    return x.transpose(3, 2, 0, 1) if x.ndim == 4 else (x.T if x.ndim == 2 else x)
+
+
+def from_torch(x, ndim):
+    return x.transpose(2, 3, 1, 0) if ndim == 4 else (x.T if ndim == 2 else x)
+
+
+def gram_schmidt(m):
+    m = m.copy()
+    for i in range(m.shape[1]):
+        m[:, i] /= np.linalg.norm(m[:, i])
+        for j in range(i + 1, m.shape[1]):
+            m[:, j] -= (m[:, i] @ m[:, j]) * m[:, i]
+    return m
+
+
+def numpy_powersgd(grads, errors, qs, rank, rate=2):
+    """One PowerSGD step on N ranks' {name: torch-layout grad}: (output, new errors, new qs)."""
+    n = len(grads)
+    xs = [{k: g[k] + e[k] for k in g} for g, e in zip(grads, errors)]
+    out, new_qs = {}, {}
+    for k in grads[0]:
+        ms = [x[k].reshape(x[k].shape[0], -1) for x in xs]
+        rows, cols = ms[0].shape
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * rate < rows * cols:
+            q = gram_schmidt(qs[k])
+            p = gram_schmidt(sum(m @ q for m in ms))
+            new_qs[k] = sum(m.T @ p for m in ms) / n
+            out[k] = (p @ new_qs[k].T).reshape(xs[0][k].shape)
+        else:
+            out[k] = sum(x[k] for x in xs) / n
+    return out, [{k: x[k] - out[k] for k in x} for x in xs], new_qs
+
+
+def test_ddp_powersgd_matches_numpy_reference_with_error_feedback():
+    model, n, steps, start = TinyConvNet(), 2, 5, 2
+    variables = init(model)
+    tx = optax.sgd(0.1, momentum=0.9)
+    batches = [random_batch(8, seed=s) for s in range(steps)]
+    rng = np.random.default_rng(7)
+    q0 = {"Conv_0.kernel": rng.normal(size=(27, 1)), "Dense_0.kernel": rng.normal(size=(4, 1))}
+
+    strategy = create_strategy("ddp", model, tx, make_mesh(n), compress="powersgd", powersgd_rank=1,
+                               powersgd_options={"start_iter": start, "initial_q": q0})
+    state = strategy.init_state(variables)
+    for x, y in batches:
+        state, _ = strategy.step(state, *strategy.shard_batch(x, y))
+
+    params, opt_state, qs = variables["params"], tx.init(variables["params"]), dict(q0)
+    errors = [{k: 0.0 for k in ("Conv_0.kernel", "Conv_0.bias", "Dense_0.kernel", "Dense_0.bias")}] * n
+    update = jax.jit(tx.update)
+    for t, (x, y) in enumerate(batches):
+        shards = [{f"{m}.{leaf}": to_torch(g[m][leaf]) for m in g for leaf in g[m]}
+                  for g in shard_grads(model, params, x, y, n)]
+        if t < start:  # vanilla: DDP's average; nothing else changes
+            out = {k: sum(s[k] / n for s in shards) for k in shards[0]}
+        else:
+            out, errors, qs = numpy_powersgd(shards, errors, qs, rank=1)
+        grads = {m: {leaf: from_torch(out[f"{m}.{leaf}"], params[m][leaf].ndim) for leaf in params[m]} for m in params}
+        updates, opt_state = update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+    assert max_rel_error(state.params, params) <= 1e-12
+    assert max_rel_error(state.extra["q"], qs) <= 1e-12
+    ours = _flat(state.extra["error"])
+    for r in range(n):  # each device's own error, the uncompressed biases' included
+        want = {k: from_torch(errors[r][k], v.ndim - 1) for k, v in ours.items()}
+        assert max_rel_error({k: v[r] for k, v in ours.items()}, want) <= 1e-12
+
+
+def _flat(tree):
+    return {".".join(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+# --- torch's own powerSGD_hook, on 2 gloo ranks, fed the same gradients ----------------------
+
+TORCH_WORKER = textwrap.dedent('''
+    import pickle, sys
+    from collections import defaultdict
+    import torch, torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    rank, world, store, src, dst = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+    class Bucket:  # what DDP hands a comm hook: one flat buffer and views of it per parameter
+        def __init__(self, buffer, shapes):
+            self._buffer, self._views, offset = buffer, [], 0
+            for shape in shapes:
+                size = int(torch.Size(shape).numel())
+                self._views.append(buffer[offset:offset + size].view(shape))
+                offset += size
+        def buffer(self): return self._buffer
+        def gradients(self): return self._views
+        def index(self): return 0
+        def is_last(self): return True
+
+    results = []
+    for cfg in pickle.load(open(src, "rb")):
+        order, shapes = cfg["order"], cfg["shapes"]
+        state = ps.PowerSGDState(None, matrix_approximation_rank=cfg["rank"], start_powerSGD_iter=cfg["start"],
+                                 use_error_feedback=cfg["ef"], warm_start=True)
+        # Inject the initial Qs where the hook keeps them: grouped by shape, in bucket order.
+        groups = defaultdict(list)
+        for name in order:
+            n, m = shapes[name][0], int(torch.Size(shapes[name]).numel()) // shapes[name][0]
+            r = min(n, m, cfg["rank"])
+            if ps._should_compress(n, m, r, state.min_compression_rate)[0]:
+                groups[(n, m)].append(name)
+        names = [name for group in groups.values() for name in group]
+        state.q_memory_dict[0] = torch.cat([torch.from_numpy(cfg["q0"][k]).reshape(-1) for k in names])
+        p_size = sum(shapes[k][0] * cfg["q0"][k].shape[1] for k in names)
+        state.p_memory_dict[0] = torch.empty(p_size, dtype=torch.float64)
+        steps = []
+        for grads in cfg["grads"]:
+            flat = torch.cat([torch.from_numpy(grads[rank][k]).reshape(-1) for k in order])
+            out = ps.powerSGD_hook(state, Bucket(flat, [shapes[k] for k in order])).wait()
+            error = state.error_dict.get(0)
+            views = lambda t: Bucket(t, [shapes[k] for k in order]).gradients()
+            split = lambda t: {k: v.clone().numpy() for k, v in zip(order, views(t))}
+            steps.append({"out": split(out), "error": split(error) if error is not None else None})
+        results.append(steps)
+    pickle.dump(results, open(dst, "wb"))
+    dist.barrier()  # without it, a rank tearing down gloo early can abort the other ("Resource deadlock avoided")
+    dist.destroy_process_group()
+''')
+
+
+def run_torch_hook(configs, world, tmp_path):
+    src = tmp_path / "in.pkl"
+    src.write_bytes(pickle.dumps(configs))
+    procs = [subprocess.Popen([sys.executable, "-c", TORCH_WORKER, str(r), str(world), str(tmp_path / "store"),
+                               str(src), str(tmp_path / f"out{r}.pkl")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for r in range(world)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out.decode()[-3000:]
+    return [pickle.loads((tmp_path / f"out{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def test_powersgd_matches_torch_powerSGD_hook(tmp_path):
+    pytest.importorskip("torch")
+    n, iters, start = 2, 5, 2
+    shapes = {"conv_a.kernel": (3, 3, 4, 8), "conv_b.kernel": (3, 3, 4, 8), "fc.kernel": (16, 10),
+              "fc.bias": (10,), "small.kernel": (2, 2), "bn.scale": (8,)}
+    tree = {}
+    for name, shape in shapes.items():
+        module, leaf = name.split(".")
+        tree.setdefault(module, {})[leaf] = np.zeros(shape)
+    rng = np.random.default_rng(0)
+    # (rank, error feedback): Gram-Schmidt (r <= 2) and Householder QR (r > 2); EF on and off.
+    variants = [(1, True), (3, True), (2, False)]
+    configs, jax_runs = [], []
+    for rank, ef in variants:
+        grads = [[{k: rng.normal(size=s) for k, s in shapes.items()} for _ in range(n)] for _ in range(iters)]
+        compressed = PowerSGD(rank, start_iter=start).plan(tree)
+        q0 = {k: rng.normal(size=(int(np.prod(shapes[k])) // shapes[k][-1], r)) for k, r in compressed.items()}
+        configs.append({"rank": rank, "ef": ef, "start": start, "q0": q0,
+                        "order": list(reversed(list(shapes))),  # any bucket order: the math is per tensor
+                        "shapes": {k: to_torch(np.zeros(s)).shape for k, s in shapes.items()},
+                        "grads": [[{k: to_torch(g[k]) for k in shapes} for g in it] for it in grads]})
+        jax_runs.append(_jax_powersgd(PowerSGD(rank, start_iter=start, use_error_feedback=ef, initial_q=q0),
+                                      tree, grads, n))
+    torch_runs = run_torch_hook(configs, n, tmp_path)
+
+    for v, ((rank, ef), ours) in enumerate(zip(variants, jax_runs)):
+        for it in range(iters):
+            for k, s in shapes.items():
+                want = from_torch(torch_runs[0][v][it]["out"][k], len(s))
+                got = ours[it]["out"][k]
+                assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max(), (rank, it, k)
+                if ef and it >= start:
+                    for r in range(n):
+                        want = from_torch(torch_runs[r][v][it]["error"][k], len(s))
+                        assert np.abs(ours[it]["error"][k][r] - want).max() <= 1e-12 * np.abs(want).max()
+
+
+def _jax_powersgd(powersgd, tree, grads, n):
+    """Run PowerSGD.reduce on n devices over the iterations' per-device gradients."""
+    mesh = make_mesh(n)
+    axis = "data"
+    extra = powersgd.init(tree, n)
+    specs = powersgd.specs(axis)
+
+    def step(g, extra, t):
+        g = jax.tree_util.tree_map(lambda x: x[0], g)
+        vanilla = lambda g: jax.tree_util.tree_map(lambda x: jax.lax.psum(x / n, axis), g)  # noqa: E731
+        return powersgd.reduce(g, extra, t, axis, jax.lax.psum, vanilla)
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(axis), specs, P()), out_specs=(P(), specs)))
+    runs = []
+    for t, per_device in enumerate(grads):
+        stacked = {}
+        for name in per_device[0]:
+            module, leaf = name.split(".")
+            stacked.setdefault(module, {})[leaf] = np.stack([d[name] for d in per_device])
+        out, extra = fn(stacked, extra, jnp.asarray(t))
+        runs.append({"out": _flat(out), "error": _flat(extra["error"]) if "error" in extra else None})
+    return runs

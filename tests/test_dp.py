@@ -1,0 +1,159 @@
+"""Classic DataParallel (pmap) against a single-device full-batch reference, and its HLO pattern."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import math  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+from helpers import TinyConvNet, max_rel_error, random_batch  # noqa: E402
+
+from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.optim import make_optimizer  # noqa: E402
+from jaxdp.models.batchnorm import BatchNorm  # noqa: E402
+from jaxdp.strategies import create_strategy  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+
+class TinyBNNet(nn.Module):
+    """conv -> torch-semantics BatchNorm -> dense: the BN code path at a fraction of a ResNet's compile time."""
+
+    dtype: jnp.dtype = jnp.float64
+    bn_axis_name: str = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Conv(4, (3, 3), padding=((1, 1), (1, 1)), use_bias=False, dtype=self.dtype, param_dtype=self.dtype)(x)
+        x = BatchNorm(axis_name=self.bn_axis_name, dtype=self.dtype, param_dtype=self.dtype)(x, train)
+        x = nn.relu(x).mean(axis=(1, 2))
+        return nn.Dense(10, dtype=self.dtype, param_dtype=self.dtype)(x)
+
+
+def init(model, size=8, seed=0):
+    """Variables drawn with numpy (jit-compiling model.init costs more than the tests; eager is slower still)."""
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3), model.dtype)))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, s):
+        name = path[-1].key
+        if name == "var":
+            return rng.uniform(0.5, 1.5, s.shape).astype(s.dtype)
+        fan_in = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
+        return (rng.normal(size=s.shape) / np.sqrt(fan_in) + (name == "scale")).astype(s.dtype)
+
+    variables = jax.tree_util.tree_map_with_path(draw, shapes)
+    return {"batch_stats": {}, **variables}
+
+
+def reference_data_parallel(model, variables, tx, batches, n):
+    """nn.DataParallel's math on one device: per-chunk BN, loss = mean over the FULL batch.
+
+    One jax.grad of the full-batch loss sum_i sum(losses of chunk i) / B: the
+    gradient the ReduceAdd onto device 0 produces. Running stats: chunk 0's.
+    """
+    @jax.jit
+    def step(params, stats, opt_state, x, y):
+        def full_batch_loss(p):
+            total, new_stats = 0.0, []
+            for xs, ys in zip(jnp.split(x, n), jnp.split(y, n)):
+                logits, upd = model.apply({"params": p, "batch_stats": stats}, xs, train=True,
+                                          mutable=["batch_stats"])
+                total = total + optax.softmax_cross_entropy_with_integer_labels(logits, ys).sum()
+                new_stats.append(upd["batch_stats"])
+            return total / x.shape[0], new_stats[0]
+
+        (loss, stats), grads = jax.value_and_grad(full_batch_loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state, loss
+
+    params, stats = variables["params"], variables["batch_stats"]
+    opt_state, losses = tx.init(params), []
+    for x, y in batches:
+        params, stats, opt_state, loss = step(params, stats, opt_state, x, y)
+        losses.append(float(loss))
+    return params, stats, opt_state, losses
+
+
+def test_dp_equals_full_batch_mean_reference():
+    model, n = TinyBNNet(), 4
+    variables = init(model)
+    tx = make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=1e-4)
+    batches = [random_batch(16, seed=s) for s in range(2)]
+    strategy = create_strategy("dp", model, tx, make_mesh(n))
+    state = strategy.init_state(variables)
+    losses = []
+    for x, y in batches:
+        state, metrics = strategy.step(state, *strategy.shard_batch(x, y))
+        losses.append(float(metrics["loss"]))
+    params, stats, opt_state, ref_losses = reference_data_parallel(model, variables, tx, batches, n)
+    canonical = strategy.canonical(state)
+    assert max_rel_error(canonical.params, params) <= 1e-12
+    assert max_rel_error(canonical.batch_stats, stats) <= 1e-12
+    assert max_rel_error(canonical.opt_state, opt_state) <= 1e-12
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-13)
+    # Every device holds device 0's params and BN stats after the broadcast.
+    for leaf in jax.tree_util.tree_leaves((state.params, state.batch_stats)):
+        np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(np.asarray(leaf)[0], leaf.shape))
+
+
+def _collectives(hlo):
+    """[(op, result element count, source_target_pairs or None)] for every collective in the module."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+                      r"(?:-start)?\(", line)
+        if m:
+            size = max(int(np.prod([int(d) for d in dims.split(",") if d]))
+                       for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1)))  # largest tuple part
+            pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+            found.append((m.group(2), size, set(re.findall(r"\{(\d+),(\d+)\}", pairs.group(0))) if pairs else None))
+    return found
+
+
+def test_dp_program_gathers_to_device_0_and_broadcasts():
+    for n in (3, 4):  # 3: the broadcast tree is not a full binary tree
+        model = TinyConvNet()
+        variables = init(model)
+        strategy = create_strategy("dp", model, optax.adam(1e-3), make_mesh(n))
+        state = strategy.init_state(variables)
+        hlo = strategy.lower_step(state, *strategy.shard_batch(*random_batch(4 * n))).compile().as_text()
+        grad_size = sum(x.size for x in jax.tree_util.tree_leaves(variables["params"]))
+        ops = _collectives(hlo)
+
+        gathers = [pairs for op, size, pairs in ops if op == "collective-permute" and size == grad_size
+                   and all(dst == "0" for _, dst in pairs)]
+        assert sorted(gathers, key=sorted) == [{(str(j), "0")} for j in range(1, n)]  # j -> 0, each once
+        broadcasts = [pairs for op, size, pairs in ops
+                      if op == "collective-permute" and all(dst != "0" for _, dst in pairs)]
+        assert len(broadcasts) == math.ceil(math.log2(n))
+        reached = {"0"}
+        for pairs in broadcasts:  # a tree rooted at device 0 that reaches every device
+            assert all(src in reached for src, _ in pairs)
+            reached |= {dst for _, dst in pairs}
+        assert reached == {str(j) for j in range(n)}
+        assert all(size <= n for op, size, _ in ops if op == "all-reduce")  # metrics only, no gradient all-reduce
+        assert not [op for op, _, _ in ops if op in ("all-gather", "reduce-scatter", "all-to-all")]
+        assert re.search(r"\sconditional\(", hlo)  # the update runs on device 0 only
+
+
+def test_dp_trains_evaluates_and_round_trips_canonical():
+    model, n = TinyConvNet(), 2
+    variables = init(model)
+    strategy = create_strategy("dp", model, optax.sgd(0.1), make_mesh(n))
+    x, y = random_batch(8)
+    state = strategy.init_state(variables)
+    state, _ = strategy.step(state, *strategy.shard_batch(x, y))
+    again = strategy.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.canonical(state)))
+    assert max_rel_error(again.params, state.params) == 0.0
+    out = strategy.evaluate(again, *strategy.shard_batch(x, y, np.ones(8, bool)))
+    logits = model.apply({"params": strategy.canonical(state).params}, jnp.asarray(x))
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
+    np.testing.assert_allclose(float(out["loss_sum"]), float(want), rtol=1e-13)
+    assert float(out["count"]) == 8
