@@ -1,0 +1,347 @@
+"""Tensor-by-tensor comparison of two step records, and the bounds they are held to.
+
+A *record* is one training step as either side reports it (``torch_ref.step_api``'s
+format; ``runner.run_jax`` produces the same from jaxdp)::
+
+    {"loss": float, "loss_per_rank": [float, ...],
+     "grads": {torch name: array}, "params": {...}, "buffers": {...},
+     "optimizer_state": {torch name: {"momentum_buffer" | "exp_avg" | "exp_avg_sq" | "step": array}}}
+
+``flatten`` turns it into ``{key: array}`` with keys such as ``loss``,
+``loss_per_rank/1``, ``grads/layer1.0.bn1.weight``, ``buffers/bn1.running_var`` and
+``optimizer_state/fc.weight/exp_avg``; the first path component is the *category*.
+
+Relative error
+--------------
+Per tensor, ``rel = max|a - b| / max|b|`` with ``b`` the torch side (the reference).
+Not the elementwise ``max(|a - b| / |b|)``: gradients and momentum buffers have
+entries that are zero or nearly so (a ReLU that never fired, a class absent from the
+batch), and elementwise ratios there measure nothing but cancellation. Scaling by the
+tensor's largest entry asks the question that matters for training: is the error
+small compared with the size of the update/step this tensor takes? It is also what
+``tests/helpers.max_rel_error`` computes, so the numbers are comparable. A tensor that
+is exactly zero on the torch side gets ``rel = 0`` if the other side is zero too, else
+``inf``.
+
+Order of divergence
+-------------------
+Within a step the categories are checked in causal order (``CATEGORIES``): the loss is
+computed first, the gradients from it, the params from those; BN running stats and
+the optimizer state are side outputs. The *first divergence* is the earliest step with
+any tensor over its bound, and in that step the earliest category; within the
+category the tensor with the largest error/bound ratio is named (ties: the earliest
+in torchvision's state_dict order, i.e. forward order).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+CATEGORIES = ("loss", "loss_per_rank", "grads", "params", "buffers", "optimizer_state")
+
+
+# ----------------------------------------------------------------------------- bounds
+
+@dataclass(frozen=True)
+class Bounds:
+    """Relative-error bounds per category: ``first`` for step 0, ``later`` for steps >= 1.
+
+    ``loss_curve``: after the last step, ``|mean loss_jax - mean loss_torch| / mean
+    loss_torch`` over the run's last ``curve_window`` steps must stay below it (the
+    "loss curves agree" check for float32, where individual tensors are allowed to
+    drift apart chaotically). None: no curve check (every tensor is bounded anyway).
+    """
+
+    name: str
+    first: Mapping[str, float]
+    later: Mapping[str, float]
+    loss_curve: Optional[float] = None
+    curve_window: int = 5
+    why: str = ""
+
+    def bound(self, category: str, step: int) -> float:
+        table = self.first if step == 0 else self.later
+        return float(table.get(category, math.inf))
+
+    def scaled(self, name: str, factor: float, why: str = "") -> "Bounds":
+        """These bounds times ``factor`` (a pair whose wire format is coarser, e.g. bf16)."""
+        return Bounds(name, {k: v * factor for k, v in self.first.items()},
+                      {k: v * factor for k, v in self.later.items()},
+                      None if self.loss_curve is None else self.loss_curve * factor,
+                      self.curve_window, why or self.why)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "step0": dict(self.first), "later": dict(self.later),
+                "loss_curve": self.loss_curve, "curve_window": self.curve_window, "why": self.why}
+
+
+def _every(value: float) -> Dict[str, float]:
+    return {c: value for c in CATEGORIES}
+
+
+FLOAT64 = Bounds(
+    "float64", _every(1e-10), _every(1e-10),
+    why=("float64 noise (summation order inside XLA vs ATen kernels, psum vs gloo all-reduce) "
+         "is measured at <= 2e-13 per tensor over 20 steps (every pair; sgd lr 0.1: 1.9e-13, "
+         "Adam: 9.7e-14), against float32's 1e-7..1e-2. Anything above 1e-10 is a different "
+         "computation, not rounding."),
+)
+
+# float32 bounds, from measurements (CPU, XLA:CPU vs ATen + gloo; width-4 one-block
+# ResNet-18, 16x16 crops, 8 images per device, 20 steps; every pair of runner.PAIRS):
+#
+#   worst over all pairs        loss     loss/rank  grads    params   buffers  opt state
+#   step 0                      1.0e-07  1.1e-07    2.5e-06  2.8e-05  3.7e-07  2.9e-06
+#   steps 1-19, lr 0.01-0.05    4.6e-07  1.7e-06    6.8e-03  8.5e-04  3.3e-06  5.0e-03
+#   steps 1-19, sgd lr 0.1      8.3e-07  1.8e-06    1.2e-02  8.2e-04  5.0e-06  5.9e-03
+#   bf16 hook, step 0 / later   0        0          7.2e-04 / 2.1e-01 (a rounding flip is 2^-8)
+#
+# (Adam's first step moves every weight by ~lr, whatever the gradient's size, so entries
+# with gradients near 0 carry their rounding into the params: 2.8e-05 at step 0.)
+# After step 0 the error of individual tensors grows by x2-x10 per step with the lr (the
+# sgd lr 0.1 run: 2e-06 for 10 steps, then 1e-05, 3e-05, and 1e-02 at step 19), and it
+# depends on the model: a ResNet-18 of width 16 with (2, 2, 2, 2) blocks at 16x16 crops
+# already has 2.4e-02 in its step-0 gradients and O(1) by step 2 (float64: 1.4e-14), a
+# BatchNorm over 2x2 maps amplifying rounding. So float32 bounds only what is stable:
+# every tensor at step 0 (bounds ~1000x the tiny model's noise, as the design notes
+# measured 5e-4 in a full ResNet-18's first conv), the loss at every step, and the loss
+# curves. Whether a float32 difference is a bug is float64's question.
+FLOAT32 = Bounds(
+    "float32",
+    first={"loss": 1e-5, "loss_per_rank": 1e-5, "grads": 5e-3, "params": 5e-3,
+           "buffers": 1e-3, "optimizer_state": 5e-3},
+    later={"loss": 1e-2, "loss_per_rank": 1e-2},
+    loss_curve=1e-2,
+    why=("float32: step 0 every tensor (loss 1e-5, grads/params/optimizer state 5e-3, BN "
+         "buffers 1e-3); later steps the loss of every rank within 1%, tensors reported but "
+         "not bounded (training amplifies rounding chaotically); loss curves (mean of the "
+         "last 5 steps) within 1%."),
+)
+
+DEFAULT_BOUNDS = {"float64": FLOAT64, "float32": FLOAT32}
+
+
+# ----------------------------------------------------------------------------- records
+
+def flatten(record: Mapping) -> Dict[str, np.ndarray]:
+    """``{category/name[/key]: float64 array}`` for every compared quantity in a record."""
+    out: Dict[str, np.ndarray] = {}
+    if record.get("loss") is not None:
+        out["loss"] = np.asarray(record["loss"], np.float64)
+    for r, v in enumerate(record.get("loss_per_rank") or ()):
+        out[f"loss_per_rank/{r}"] = np.asarray(v, np.float64)
+    for cat in ("grads", "params", "buffers"):
+        for name, v in (record.get(cat) or {}).items():
+            out[f"{cat}/{name}"] = np.asarray(v, np.float64)
+    for name, state in (record.get("optimizer_state") or {}).items():
+        for key, v in state.items():
+            out[f"optimizer_state/{name}/{key}"] = np.asarray(v, np.float64)
+    return out
+
+
+def errors(a: np.ndarray, b: np.ndarray):
+    """(max abs error, relative error ``max|a-b| / max|b|``) of ``a`` against reference ``b``."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return math.inf, math.inf
+    if a.size == 0:
+        return 0.0, 0.0
+    diff = np.abs(a - b)
+    abs_err = float(diff.max())
+    if not np.isfinite(abs_err):
+        return math.inf, math.inf
+    scale = float(np.abs(b).max())
+    if scale == 0.0:
+        return abs_err, (0.0 if abs_err == 0.0 else math.inf)
+    return abs_err, abs_err / scale
+
+
+# ----------------------------------------------------------------------------- comparison
+
+@dataclass
+class Entry:
+    key: str
+    abs_err: float
+    rel_err: float
+    bound: float
+    note: str = ""
+
+    @property
+    def category(self) -> str:
+        return self.key.split("/", 1)[0]
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err <= self.bound
+
+    @property
+    def ratio(self) -> float:
+        if self.bound == 0:
+            return math.inf if self.rel_err > 0 else 0.0
+        return self.rel_err / self.bound
+
+    def to_json(self) -> dict:
+        d = {"abs": _finite(self.abs_err), "rel": _finite(self.rel_err), "bound": _finite(self.bound)}
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+@dataclass
+class StepComparison:
+    step: int
+    entries: List[Entry]
+    loss_jax: float
+    loss_torch: float
+
+    def failures(self) -> List[Entry]:
+        return [e for e in self.entries if not e.ok]
+
+    def first_failure(self) -> Optional[Entry]:
+        """The earliest category with a failure, its worst tensor (ties: first in order)."""
+        bad = self.failures()
+        for cat in CATEGORIES:
+            in_cat = [e for e in bad if e.category == cat]
+            if in_cat:
+                return max(in_cat, key=lambda e: (e.ratio, -in_cat.index(e)))
+        return None
+
+    def worst(self) -> Optional[Entry]:
+        """The quantity with the largest relative error (bounded or not); for the table."""
+        if not self.entries:
+            return None
+        return max(self.entries, key=lambda e: (e.rel_err, e.ratio))
+
+    def tightest(self) -> Optional[Entry]:
+        """The quantity closest to (or furthest over) its bound."""
+        bounded = [e for e in self.entries if math.isfinite(e.bound)]
+        return max(bounded, key=lambda e: (e.ratio, e.rel_err)) if bounded else None
+
+    def max_rel(self, category: Optional[str] = None) -> float:
+        vals = [e.rel_err for e in self.entries if category is None or e.category == category]
+        return max(vals, default=0.0)
+
+    def max_abs(self) -> float:
+        return max((e.abs_err for e in self.entries), default=0.0)
+
+    def to_json(self) -> dict:
+        worst = self.worst()
+        return {
+            "step": self.step, "loss_jax": self.loss_jax, "loss_torch": self.loss_torch,
+            "max_rel": _finite(self.max_rel()), "max_abs": _finite(self.max_abs()),
+            "max_rel_by_category": {c: _finite(self.max_rel(c)) for c in CATEGORIES
+                                    if any(e.category == c for e in self.entries)},
+            "worst": worst.key if worst else None,
+            "tightest": self.tightest().key if self.tightest() else None,
+            "failures": [e.key for e in self.failures()],
+            "tensors": {e.key: e.to_json() for e in self.entries},
+        }
+
+
+@dataclass
+class Divergence:
+    step: int
+    key: str
+    rel_err: float
+    bound: float
+    abs_err: float
+    count: int  # tensors over their bound in that step
+    total: int
+
+    @property
+    def category(self) -> str:
+        return self.key.split("/", 1)[0]
+
+    def message(self) -> str:
+        if self.step < 0:
+            return f"diverged: {self.key}: {self.note_text()}"
+        return (f"diverged at step {self.step}: {self.key} rel err {self.rel_err:.1e} > "
+                f"{self.bound:.0e} (max abs {self.abs_err:.1e}; {self.count} of {self.total} "
+                f"compared quantities over their bound at that step)")
+
+    def note_text(self) -> str:
+        return f"rel err {self.rel_err:.1e} > {self.bound:.0e}"
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "key": self.key, "category": self.category,
+                "rel": _finite(self.rel_err), "abs": _finite(self.abs_err),
+                "bound": _finite(self.bound), "count": self.count, "total": self.total,
+                "message": self.message()}
+
+
+@dataclass
+class Comparison:
+    steps: List[StepComparison]
+    bounds: Bounds
+    curve: Optional[Entry] = None
+    divergence: Optional[Divergence] = None
+
+    @property
+    def passed(self) -> bool:
+        return self.divergence is None
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "bounds": self.bounds.to_json(),
+                "divergence": self.divergence.to_json() if self.divergence else None,
+                "loss_curve": (dict(self.curve.to_json(), window=self.bounds.curve_window)
+                               if self.curve else None),
+                "steps": [s.to_json() for s in self.steps]}
+
+
+def compare_step(step: int, jax_rec: Mapping, torch_rec: Mapping, bounds: Bounds,
+                 skip: Sequence[str] = ()) -> StepComparison:
+    """Every quantity torch reported, against jaxdp's. ``skip``: categories not comparable
+    for this pair (e.g. ``loss_per_rank`` when torch ran one process on the full batch).
+    A quantity on one side only is an error (rel = inf) with a note saying which side."""
+    a, b = flatten(jax_rec), flatten(torch_rec)
+    entries = []
+    for key in list(b) + [k for k in a if k not in b]:
+        cat = key.split("/", 1)[0]
+        if cat in skip:
+            continue
+        bound = bounds.bound(cat, step)
+        if key not in a:
+            entries.append(Entry(key, math.inf, math.inf, bound, "missing on the jaxdp side"))
+        elif key not in b:
+            entries.append(Entry(key, math.inf, math.inf, bound, "missing on the torch side"))
+        else:
+            abs_err, rel = errors(a[key], b[key])
+            note = "" if a[key].shape == b[key].shape else f"shape {a[key].shape} vs {b[key].shape}"
+            entries.append(Entry(key, abs_err, rel, bound, note))
+    order = {c: i for i, c in enumerate(CATEGORIES)}
+    entries.sort(key=lambda e: order.get(e.category, len(order)))  # stable: keeps torch's order within
+    return StepComparison(step, entries, float(jax_rec.get("loss", math.nan)),
+                          float(torch_rec.get("loss", math.nan)))
+
+
+def compare_runs(jax_steps: Sequence[Mapping], torch_steps: Sequence[Mapping], bounds: Bounds,
+                 skip: Sequence[str] = ()) -> Comparison:
+    """Compare step by step (as many steps as both sides have), then the loss curves."""
+    n = min(len(jax_steps), len(torch_steps))
+    steps = [compare_step(i, jax_steps[i], torch_steps[i], bounds, skip) for i in range(n)]
+    result = Comparison(steps, bounds)
+    for s in steps:
+        bad = s.first_failure()
+        if bad is not None:
+            result.divergence = Divergence(s.step, bad.key, bad.rel_err, bad.bound, bad.abs_err,
+                                           len(s.failures()), len(s.entries))
+            break
+    if bounds.loss_curve is not None and n:
+        w = min(bounds.curve_window, n)
+        lj = float(np.mean([s.loss_jax for s in steps[-w:]]))
+        lt = float(np.mean([s.loss_torch for s in steps[-w:]]))
+        abs_err, rel = errors(lj, lt)
+        result.curve = Entry(f"loss curve (mean of the last {w} steps)", abs_err, rel, bounds.loss_curve)
+        if not result.curve.ok and result.divergence is None:
+            result.divergence = Divergence(-1, result.curve.key, rel, bounds.loss_curve, abs_err, 1, 1)
+    return result
+
+
+def _finite(x: float):
+    """JSON has no inf/nan: write them as strings."""
+    x = float(x)
+    return x if math.isfinite(x) else str(x)

@@ -1,0 +1,160 @@
+"""What a parity run shows: a terminal table per step, ``report.json`` and ``parity.png``.
+
+The table has one row per step: the loss on each side, the largest absolute and
+relative error over every compared tensor, the tensor closest to (or furthest over)
+its bound, and OK/FAIL. Below it, the first divergence (step, tensor, error, bound),
+which is what points at the bug when porting a strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from typing import List, Optional
+
+
+def environment(cuda: bool = False) -> dict:
+    """Versions and devices, so a report says where its numbers came from."""
+    env = {"python": platform.python_version(), "machine": platform.machine()}
+    try:
+        import jax
+
+        env.update(jax=jax.__version__, jax_backend=jax.default_backend(),
+                   jax_devices=len(jax.devices()))
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        import torch
+
+        env.update(torch=torch.__version__, torch_device="cuda" if cuda else "cpu")
+    except Exception:  # pragma: no cover
+        pass
+    return env
+
+
+def header(result) -> List[str]:
+    p = result.plan
+    cfg = p.cfg
+    j = p.to_json()
+    lines = [
+        f"parity: jaxdp {cfg.strategy} {j['jaxdp']['options'] or ''} on {cfg.devices} device(s)"
+        f"  <->  torch_ref {p.torch_strategy} on {p.world} rank(s) ({j['torch']['backend']})",
+        f"  twin: {p.pair.twin}",
+        f"  {cfg.model} width {cfg.width} blocks {cfg.blocks} {cfg.dtype}, {cfg.image_size}x{cfg.image_size}, "
+        f"{cfg.batch_per_device}/device, accum {cfg.accum}, sync_bn {cfg.sync_bn}, "
+        f"{cfg.optimizer} lr {cfg.lr} ({cfg.schedule}), {cfg.steps} steps",
+        f"  bounds: {result.comparison.bounds.name} (rel err = max|jax - torch| / max|torch| per tensor)",
+    ]
+    for note in p.notes:
+        lines.append(f"  note: {note}")
+    return lines
+
+
+def status(step) -> str:
+    bad = step.first_failure()
+    if bad is None:
+        return "OK"
+    return f"FAIL {bad.key} ({bad.rel_err:.1e} > {bad.bound:.0e}; {len(step.failures())} over)"
+
+
+def table(result) -> List[str]:
+    rows = [f"{'step':>4}  {'loss jaxdp':>18}  {'loss torch':>18}  {'max abs':>8}  {'max rel':>8}  "
+            f"{'worst tensor (rel err / bound)':<66}  ok"]
+    for s in result.comparison.steps:
+        w = s.worst()
+        bound = f"{w.bound:.0e}" if w and w.bound != float("inf") else "none"
+        worst = f"{w.key} ({w.rel_err:.1e} / {bound})" if w else "-"
+        rows.append(f"{s.step:>4}  {s.loss_jax:>18.12f}  {s.loss_torch:>18.12f}  {s.max_abs():>8.1e}  "
+                    f"{s.max_rel():>8.1e}  {worst:<66}  {status(s)}")
+    c = result.comparison
+    if c.curve is not None:
+        rows.append(f"loss curves: {c.curve.key}: rel diff {c.curve.rel_err:.1e} "
+                    f"(bound {c.curve.bound:.0e}) {'OK' if c.curve.ok else 'FAIL'}")
+    return rows
+
+
+def print_report(result, file=None) -> None:
+    import sys
+
+    out = file or sys.stdout
+    for line in header(result) + table(result):
+        print(line, file=out)
+    secs = result.seconds
+    print(f"time: inputs {secs.get('inputs', 0):.1f}s, torch {secs.get('torch', 0):.1f}s, "
+          f"jaxdp {secs.get('jax', 0):.1f}s", file=out)
+    print(("PASS: " if result.passed else "FAIL: ") + result.message(), file=out)
+    if not result.passed and result.plan.cfg.dtype == "float32":
+        print("hint: float32 rounding is amplified by BatchNorm and by training; re-run with "
+              "--dtype float64, where the noise is ~1e-14 and anything above 1e-10 is a real "
+              "difference", file=out)
+
+
+def write_json(result, path: str) -> str:
+    with open(path, "w") as f:
+        json.dump(result.to_json(), f, indent=1)
+    return path
+
+
+def plot(result, path: str) -> str:
+    """Loss curves of both sides overlaid; max relative error per step (log) per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    from parity_tests.compare import CATEGORIES
+
+    c = result.comparison
+    cfg = result.plan.cfg
+    steps = [s.step for s in c.steps]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
+    ax1.plot(steps, [s.loss_torch for s in c.steps], "o-", color="tab:orange", lw=2.5, ms=5,
+             label=f"torch_ref {result.plan.torch_strategy} ({result.plan.world} rank(s))")
+    ax1.plot(steps, [s.loss_jax for s in c.steps], "x--", color="tab:blue", lw=1.2, ms=6,
+             label=f"jaxdp {cfg.strategy} ({cfg.devices} device(s))")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss")
+    ax1.set_title("loss, both sides")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    nonzero = [e.rel_err for st in c.steps for e in st.entries if 0 < e.rel_err < math.inf]
+    tiny = 10 ** math.floor(math.log10(min(nonzero) / 10)) if nonzero else 1e-17
+    for cat in CATEGORIES:
+        vals = [s.max_rel(cat) for s in c.steps if any(e.category == cat for e in s.entries)]
+        if len(vals) == len(steps):
+            ax2.semilogy(steps, [max(v, tiny) for v in vals], "o-", ms=3, label=cat)
+    bounds = c.bounds
+    for cat, style in (("grads", ":"), ("loss", "--")):
+        pts = [(s, bounds.bound(cat, s)) for s in steps if math.isfinite(bounds.bound(cat, s))]
+        if pts and (cat == "grads" or any(b != bounds.bound("grads", s) for s, b in pts)):
+            xs = [p[0] for p in pts] + [pts[-1][0] + 1]
+            ax2.step(xs, [p[1] for p in pts] + [pts[-1][1]], where="post", ls=style, color="k",
+                     lw=1, label=f"{bounds.name} bound ({cat})")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("max relative error (max|a-b| / max|b|)")
+    status = "PASS" if result.passed else "FAIL: " + result.divergence.message().split(" (")[0]
+    ax2.set_title(f"max relative error per step ({cfg.dtype}; exact 0 drawn at {tiny:.0e})", fontsize=10)
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
+    ax2.grid(alpha=0.3, which="both")
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(-0.5, steps[-1] + 0.5 if steps else 0.5)
+    fig.suptitle(f"parity: jaxdp {cfg.strategy} vs torch_ref {result.plan.torch_strategy}, "
+                 f"{cfg.model} width {cfg.width}, N={cfg.devices}, {cfg.optimizer}: {status}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(result, out_dir: str, extra_png: Optional[str] = None) -> List[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [write_json(result, os.path.join(out_dir, "report.json")),
+             plot(result, os.path.join(out_dir, "parity.png"))]
+    if extra_png:
+        os.makedirs(os.path.dirname(os.path.abspath(extra_png)), exist_ok=True)
+        paths.append(plot(result, extra_png))
+    return paths

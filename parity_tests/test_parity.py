@@ -1,0 +1,235 @@
+"""Every jaxdp strategy against its PyTorch twin, step by step (``parity_tests.runner``).
+
+CPU: jaxdp on simulated devices (root conftest: 8 devices, x64), torch_ref on gloo ranks.
+Model: ResNet-18 layout with width 4 and one block per stage (every code path, a
+fraction of the cost), 16x16 crops, 8 images per device; one ResNet-18 of width 16 with
+the full (2, 2, 2, 2) depth. float64 cases must agree to rel err <= 1e-10 in every tensor
+at every step (measured: <= 2e-13); float32 cases to the measured-noise bounds of
+``compare.FLOAT32``.
+
+Cost: each torch launch is a few seconds and each jaxdp strategy compiles once, so the
+cases share what they can: pairs whose twin is the same torch computation (dp, async k=0
+and ddp against DDP; ring against DDP) reuse one torch run (``reuse_torch``), and so do
+the injected-bug tests (test_injected_bugs.py).
+"""
+
+import io
+
+import numpy as np
+import pytest
+
+from parity_tests import report
+from parity_tests.runner import ParityConfig, full_batch_order, plan, run_parity, ParityError
+
+TINY = dict(model="resnet18", width=4, blocks=(1, 1, 1, 1), image_size=16, batch_per_device=8)
+SGD = dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+ADAM = dict(optimizer="adam", lr=1e-3, betas=(0.9, 0.99), weight_decay=1e-4)
+ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=1e-2)
+LONG = 20   # steps of the long cases
+SHORT = 4   # steps of the others
+
+# name -> config. "ddp-n2-sgd" is also the torch run the dp/async pairs and the injected
+# bugs reuse; "ddp-n4-adam" the one the ring all-reduce reuses.
+F64 = {
+    "ddp-n2-sgd-nesterov-20steps": dict(strategy="ddp", devices=2, steps=LONG, **SGD),
+    "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
+    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum=2, steps=SHORT, **ADAMW),
+    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum=2, steps=SHORT, **SGD),
+    "dp-n2": dict(strategy="dp", devices=2, steps=LONG, **SGD),
+    "async-k0-n2": dict(strategy="async", devices=2, steps=LONG, **SGD),
+    "ddp-ring-n4": dict(strategy="ddp", devices=4, allreduce="ring", steps=SHORT, **ADAM),
+    "zero1-n2-adamw": dict(strategy="zero1", devices=2, steps=SHORT, **ADAMW),
+    "zero2-n2-accum2-sgd": dict(strategy="zero2", devices=2, accum=2, steps=SHORT, **SGD),
+    "zero3-n2-adam": dict(strategy="zero3", devices=2, steps=SHORT, **ADAM),
+    "hsdp-2x2-sgd": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), steps=SHORT, **SGD),
+    "ddp-fp16-hook": dict(strategy="ddp", devices=2, compress="fp16", steps=SHORT, **SGD),
+    "ddp-bf16-hook": dict(strategy="ddp", devices=2, compress="bf16", steps=SHORT, **SGD),
+    "ddp-powersgd-hook": dict(strategy="ddp", devices=2, compress="powersgd", powersgd_start_iter=2,
+                              steps=SHORT, **SGD),
+}
+
+F32 = {
+    "ddp-n2-sgd-nesterov-20steps": dict(strategy="ddp", devices=2, steps=LONG, **SGD),
+    "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
+    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum=2, steps=SHORT, **ADAMW),
+    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum=2, steps=SHORT, **SGD),
+}
+
+
+def config(dtype, **kw):
+    return ParityConfig(dtype=dtype, **{**TINY, **kw})
+
+
+def assert_parity(result):
+    out = io.StringIO()
+    report.print_report(result, file=out)
+    print(out.getvalue())
+    assert result.passed, out.getvalue()
+
+
+# ----------------------------------------------------------------------------- CPU pairs
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(F64))
+def test_float64_every_tensor_every_step(name):
+    result = run_parity(config("float64", **F64[name]), reuse_torch=True)
+    assert_parity(result)
+    steps = result.comparison.steps
+    assert len(steps) == F64[name]["steps"]
+    # What was compared: loss, grads, params, BN buffers and optimizer state, every step.
+    cats = {e.category for e in steps[-1].entries}
+    assert {"loss", "grads", "params", "buffers", "optimizer_state"} <= cats
+    if len(steps) >= 20:
+        # The long case: after 20 steps the error is still rounding (<= 1e-12, measured
+        # ~1e-13), two orders below the bound: nothing drifts.
+        per_step = [s.max_rel() for s in steps]
+        assert max(per_step) <= 1e-12, per_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(F32))
+def test_float32_within_measured_noise(name):
+    assert_parity(run_parity(config("float32", **F32[name]), reuse_torch=True))
+
+
+@pytest.mark.slow
+def test_resnet18_width16_full_depth_float64():
+    """ResNet-18's real depth (2, 2, 2, 2) at width 16: every block type and shortcut."""
+    cfg = config("float64", strategy="ddp", devices=2, steps=3, width=16, blocks=(2, 2, 2, 2), **SGD)
+    result = run_parity(cfg)
+    assert_parity(result)
+    names = {e.key for e in result.comparison.steps[0].entries}
+    assert "grads/layer4.1.conv2.weight" in names and "buffers/layer2.0.downsample.1.running_var" in names
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def test_sync_bn_twin_on_cpu_is_one_full_batch_process_and_says_why():
+    p = plan(config("float64", strategy="ddp", devices=2, sync_bn=True))
+    if p.cuda:
+        pytest.skip("on CUDA the twin is SyncBatchNorm on N ranks")
+    assert (p.world, p.full_batch, p.torch_config["sync_bn"]) == (1, True, False)
+    assert any("SyncBatchNorm raises on CPU" in n for n in p.notes)
+
+
+def test_pairs_without_a_twin_are_refused():
+    with pytest.raises(ParityError, match="has no PyTorch twin"):
+        plan(config("float64", strategy="async", staleness=2))
+    with pytest.raises(ParityError, match="does not apply"):
+        plan(config("float64", strategy="zero3", compress="bf16"))
+    with pytest.raises(ParityError, match="no torch twin registered"):
+        plan(config("float64", strategy="nope"))
+
+
+def test_full_batch_order_puts_each_devices_kth_micro_batch_together():
+    n, b, k = 2, 4, 2
+    labels = np.arange(n * b).reshape(n, b)          # device d holds d*b .. d*b+b-1
+    images = labels[:, :, None, None, None].astype(float)
+    img, lab = full_batch_order(images, labels, k)
+    assert img.shape == (1, n * b, 1, 1, 1)
+    # micro-batch 0 = device 0's first half + device 1's first half, then the second halves
+    assert lab.tolist() == [[0, 1, 4, 5, 2, 3, 6, 7]]
+    assert (img[0, :, 0, 0, 0] == lab[0]).all()
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _cuda_on_both_sides() -> int:
+    import jax
+    import torch
+
+    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+        return 0
+    return min(torch.cuda.device_count(), len(jax.devices()))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gpu_ddp(dtype):
+    """The same runner on CUDA: nccl ranks (one per GPU), TF32 off, XLA highest precision.
+    Needs JAX on the GPU too (the root conftest pins JAX_PLATFORMS=cpu unless it is set:
+    run with JAX_PLATFORMS=cuda)."""
+    gpus = _cuda_on_both_sides()
+    if not gpus:
+        pytest.skip("needs CUDA for both torch and JAX (set JAX_PLATFORMS=cuda)")
+    n = min(gpus, 2)
+    assert_parity(run_parity(config(dtype, strategy="ddp", devices=n, steps=SHORT, **SGD)))
+
+
+# ----------------------------------------------------------------------------- the report itself
+# (no jaxdp or torch run: records made up to exercise the comparison, table, JSON, PNG, exit status)
+
+def _record(scale=1.0, bn_var=1.0, loss=2.3):
+    return {"loss": loss, "loss_per_rank": [loss - 0.1, loss + 0.1],
+            "grads": {"conv1.weight": np.full((4, 3, 3, 3), 0.5 * scale), "fc.bias": np.array([1.0, -2.0])},
+            "params": {"conv1.weight": np.ones((4, 3, 3, 3)), "fc.bias": np.array([0.1, 0.2])},
+            "buffers": {"bn1.running_mean": np.zeros(4), "bn1.running_var": np.full(4, bn_var)},
+            "optimizer_state": {"fc.bias": {"momentum_buffer": np.array([1.0, -2.0])}}}
+
+
+def _fake_result(jax_steps, torch_steps, dtype="float64"):
+    from parity_tests import compare
+    from parity_tests.runner import Pair, ParityResult, Plan
+
+    cfg = ParityConfig(dtype=dtype, steps=len(torch_steps))
+    p = Plan(cfg, Pair("DDP", "ddp"), "ddp", 2, False, {}, {}, False)
+    comp = compare.compare_runs(jax_steps, torch_steps, compare.DEFAULT_BOUNDS[dtype])
+    return ParityResult(p, comp, jax_steps, torch_steps, {})
+
+
+def test_relative_error_is_scaled_by_the_largest_reference_entry():
+    from parity_tests.compare import errors
+
+    # elementwise relative error would be 1.0 (the 1e-9 entry); per tensor it is 1e-9 / 2
+    assert errors(np.array([2.0, 2e-9]), np.array([2.0, 1e-9])) == pytest.approx((1e-9, 5e-10))
+    assert errors(np.zeros(3), np.zeros(3)) == (0.0, 0.0)
+    assert errors(np.ones(3), np.zeros(3))[1] == float("inf")
+    assert errors(np.ones(3), np.ones(4))[1] == float("inf")  # shape mismatch
+
+
+def test_first_divergence_is_the_earliest_step_then_the_earliest_category():
+    torch = [_record(), _record(), _record()]
+    jax = [_record(), _record(bn_var=1.01), _record(scale=2.0, bn_var=1.01)]
+    result = _fake_result(jax, torch)
+    d = result.divergence
+    assert (d.step, d.key) == (1, "buffers/bn1.running_var")
+    assert d.message().startswith("diverged at step 1: buffers/bn1.running_var rel err 1.0e-02 > 1e-10")
+    # at step 2 the gradients come first (causal order), worst tensor named
+    assert result.comparison.steps[2].first_failure().key == "grads/conv1.weight"
+
+
+def test_a_tensor_on_one_side_only_is_a_divergence():
+    jax_rec = _record()
+    del jax_rec["grads"]["fc.bias"]
+    d = _fake_result([jax_rec], [_record()]).divergence
+    assert d.key == "grads/fc.bias" and d.rel_err == float("inf")
+
+
+def test_table_json_png_and_exit_status(tmp_path, monkeypatch, capsys):
+    import json
+
+    from jaxdp.cli import main
+    from parity_tests import runner
+
+    bad = _fake_result([_record(), _record(scale=1.5)], [_record(), _record()])
+    good = _fake_result([_record(), _record()], [_record(), _record()])
+    for result, code in ((good, 0), (bad, 1)):
+        monkeypatch.setattr(runner, "run_parity", lambda cfg, bug=None, r=result: r)
+        out = tmp_path / str(code)
+        assert main(["parity", "--steps", "2", "--out", str(out)]) == code
+        printed = capsys.readouterr().out
+        assert "worst tensor" in printed and printed.count("\n") >= 6
+        data = json.loads((out / "report.json").read_text())
+        assert data["passed"] is (code == 0) and len(data["comparison"]["steps"]) == 2
+        assert (out / "parity.png").stat().st_size > 10_000
+    assert "FAIL: diverged at step 1: grads/conv1.weight rel err 5.0e-01 > 1e-10" in printed
+    assert data["comparison"]["divergence"]["key"] == "grads/conv1.weight"
+
+
+def test_unknown_options_exit_2_with_one_line(capsys):
+    from jaxdp.cli import main
+
+    assert main(["parity", "--strategy", "zero3", "--compress", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdp parity: error: option --compress does not apply") and err.count("\n") == 1
