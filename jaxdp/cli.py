@@ -73,9 +73,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     summary = train(cfg)
     ev = summary.get("eval") or {}
-    print(f"done: {summary['steps']} steps in {summary.get('seconds', 0):.1f}s; "
-          f"eval accuracy {ev.get('accuracy', float('nan')):.4f}; run in {cfg.out}")
+    if summary.get("process_index", 0) == 0:  # one line per job, not per process
+        print(f"done: {summary['steps']} steps in {summary.get('seconds', 0):.1f}s; "
+              f"eval accuracy {ev.get('accuracy', float('nan')):.4f}; run in {cfg.out}")
     return 0
+
+
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """jaxdp train's own options (torch_ref.train shares add_train_args, not these)."""
+    from jaxdp.config import TrainConfig
+
+    d = TrainConfig()
+    g = p.add_argument_group("multi-process jobs (jaxdp launch, srun) and fault tolerance")
+    g.add_argument("--init-timeout", type=int, default=d.init_timeout,
+                   help="seconds for every process to join the job before a clear error")
+    g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout,
+                   help="seconds before the processes give up on a peer that stopped answering")
+    g.add_argument("--log-sample-ids", action="store_true",
+                   help="write each step's dataset ids to OUT/sample_ids.p<process>.jsonl")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxdp.launch import launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launch(command, nprocs=args.nprocs, devices_per_proc=args.devices_per_proc,
+                  coordinator=args.coordinator, num_processes=args.num_processes,
+                  process_id=args.process_id, grace_period=args.grace_period)
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nprocs", type=int, default=None, help="processes to start on this host (default 1)")
+    p.add_argument("--devices-per-proc", type=int, default=None,
+                   help="devices per process: simulated CPU devices, or this many GPUs each")
+    p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (several hosts; default: SLURM's"
+                   " first node, else a free localhost port)")
+    p.add_argument("--num-processes", type=int, default=None, help="processes in the whole job (several hosts)")
+    p.add_argument("--process-id", type=int, default=None, help="id of this host's first process (several hosts)")
+    p.add_argument("--grace-period", type=float, default=1.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping the others after a failure"
+                        " (JAX processes ignore SIGTERM: its preemption handler catches it)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from jaxdp.inspect import run
+
+    return run(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from jaxdp.bench import run
+
+    return run(args)
 
 
 def _user_errors():
@@ -86,9 +136,10 @@ def _user_errors():
     from jaxdp.models import ModelError
     from jaxdp.optim import ConfigError
     from jaxdp.strategies import StrategyError
+    from jaxdp.launch import LaunchError
     from jaxdp.train import TrainError
 
-    return (CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError, TrainError)
+    return (LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError, TrainError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,25 +147,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a ResNet with a data-parallel strategy")
     add_train_args(p)
+    add_job_args(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("launch", help="start a multi-process job: jaxdp launch --nprocs 2 -- jaxdp train ...")
+    add_launch_args(p)
+    p.set_defaults(func=cmd_launch)
+    p = sub.add_parser("inspect", help="per-device memory and collective traffic of a strategy vs the ZeRO formulas")
+    from jaxdp.inspect import add_inspect_args  # jax-free at import
+
+    add_inspect_args(p)
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("parity", help="step-by-step parity of a jaxdp strategy with its PyTorch twin")
+    from parity_tests.runner import add_parity_args  # jax- and torch-free at import
+
+    add_parity_args(p)
+    p = sub.add_parser("bench", help="jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N")
+    from jaxdp.bench import add_bench_args  # jax- and torch-free at import; sets its own device count
+
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     devices = getattr(args, "devices", None)
-    if devices:
-        from jaxdp.mesh import simulate_cpu_devices
-
-        simulate_cpu_devices(devices)  # before jax is imported; a no-op for GPUs
     try:
+        if devices:
+            from jaxdp.mesh import distributed_env, simulate_cpu_devices
+
+            job = distributed_env() if args.command == "train" else None  # --devices is the job's total
+            simulate_cpu_devices(devices // job.num_processes if job and devices % job.num_processes == 0
+                                 else devices)  # before jax is imported; a no-op for GPUs
         return args.func(args)
     except _user_errors() as e:
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("jaxdp: interrupted; the last completed step was checkpointed (resume with --resume)",
-              file=sys.stderr)
+        from jaxdp.mesh import distributed_env
+
+        saved = ("the last periodic checkpoint" if distributed_env()  # a job saves only all together
+                 else "the last completed step, which was checkpointed")
+        print(f"jaxdp: interrupted; resume with --resume from {saved}", file=sys.stderr)
         return 130
 
 

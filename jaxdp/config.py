@@ -47,6 +47,10 @@ class TrainConfig:
     resume: bool = False
     checkpoint_every: int = 0  # steps; 0 = once per epoch
     progress: bool = True
+    log_sample_ids: bool = False  # write each step's dataset ids to sample_ids.p<process>.jsonl
+    # multi-process jobs (jaxdp launch, srun): see jaxdp.mesh.initialize_distributed
+    init_timeout: int = 300  # seconds for every process to join
+    heartbeat_timeout: int = 100  # seconds before the survivors give up on a silent peer
 
     STRATEGY_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape")
 
@@ -56,9 +60,11 @@ class TrainConfig:
     def fingerprint(self) -> dict:
         """The fields a resumed run must share with the checkpoint it resumes.
 
-        Devices, output paths and progress display may change across a resume;
-        anything that changes the math may not.
+        Devices (and processes), output paths and progress display may change across
+        a resume; anything that changes the math may not. The global batch is part of
+        it: it fixes which samples each step takes, whatever the device count.
         """
         ignored = {"out", "resume", "progress", "devices", "checkpoint_every", "data_dir", "download",
-                   "strategy", "mesh_shape", "bucket_cap_mb"}
+                   "strategy", "mesh_shape", "bucket_cap_mb", "log_sample_ids", "init_timeout",
+                   "heartbeat_timeout"}
         return {k: v for k, v in json.loads(self.to_json()).items() if k not in ignored}

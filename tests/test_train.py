@@ -57,7 +57,7 @@ def test_loss_falls_on_the_synthetic_set(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--global-batch-size", "30", "--devices", "4"], "not divisible by devices x accumulation steps = 4 x 1"),
-    (["--strategy", "zero9"], "unknown strategy 'zero9'; choose one of ddp"),
+    (["--strategy", "zero9"], "unknown strategy 'zero9'; choose one of ddp, zero1, zero2, zero3, hsdp, dp, async"),
     (["--model", "resnet9"], "unknown model 'resnet9'; choose one of resnet18, resnet34, resnet50"),
     (["--optimizer", "lamb"], "lamb"),
     (["--schedule", "poly"], "poly"),

@@ -1,0 +1,162 @@
+"""Fault tolerance: a worker SIGKILLed mid-epoch, partial and corrupted checkpoints, and
+resuming on a different device count, each checked by the dataset ids every step fed
+(``--log-sample-ids``): every sample of the epoch exactly once, none lost, none repeated.
+"""
+
+import os
+import signal
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from jaxdp.checkpoint import MANIFEST, Checkpointer, CheckpointCorrupt, CheckpointWarning
+from jaxdp.config import TrainConfig
+from jaxdp.data.loader import epoch_batches, steps_per_epoch
+from jaxdp.data.datasets import ArrayDataset
+from jaxdp.data.sampler import epoch_permutation, partition
+from jaxdp.strategies import REGISTRY
+from jaxdp.train import train
+from launch_helpers import Job, alive, epoch_ids, jaxdp, job_env, records, run_job, sample_records, shared_2x2_cache
+
+# The same model, dtype and batch as test_multihost's 2x2 jobs, so they share compiled code.
+ARGS = ["--width", "4", "--blocks", "1,1,1,1", "--global-batch-size", "32", "--epochs", "1", "--lr", "0.05",
+        "--dtype", "float64", "--no-progress", "--log-sample-ids"]
+TINY = dict(width=4, blocks=(1, 1, 1, 1), global_batch_size=32, epochs=1, lr=0.05, dtype="float64",
+            progress=False, log_sample_ids=True)
+
+
+def complete_steps(out):
+    root = os.path.join(out, "checkpoints")
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+
+
+def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_factory):
+    """2 processes x 2 devices, 8 steps, a checkpoint every 4. Process 1 is SIGKILLed once
+    step 4's checkpoint is complete: the launcher stops process 0 and fails naming process 1;
+    ``--resume`` continues from the newest complete checkpoint; the checkpointed prefix of
+    the killed run plus the resumed run fed each of the 256 samples exactly once."""
+    out = str(tmp_path / "run")
+    env = job_env(JAX_COMPILATION_CACHE_DIR=shared_2x2_cache(tmp_path_factory))
+    command = jaxdp("train", *ARGS, "--synthetic-size", "256,32", "--checkpoint-every", "4", "--out", out)
+    job = Job(["--nprocs", "2", "--devices-per-proc", "2"], command, env=env)
+    try:
+        pids = job.pids()
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(out, "checkpoints", "4", MANIFEST)):
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.output[-5000:]
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGKILL)
+        t_kill = time.monotonic()
+        code = job.wait(timeout=60)
+        detected = time.monotonic() - t_kill
+    finally:
+        if job.proc.poll() is None:
+            job.kill()
+    assert code == 128 + signal.SIGKILL, job.output[-5000:]
+    assert f"process 1 (pid {pids[1]}) was killed by SIGKILL; stopping the other 1 process(es)" in job.output
+    assert "failed: process 1 was killed by SIGKILL" in job.output
+    assert detected < 5, detected  # a 50 ms poll, SIGTERM, 1 s grace, SIGKILL
+    assert not alive(pids[0])
+    saved = complete_steps(out)
+    assert saved == [4], saved  # killed mid-epoch, after the step-4 save
+    print(f"killed after step {len(records(out))}, newest complete checkpoint {saved[-1]}, "
+          f"launcher exited {detected:.2f} s after the kill")
+
+    code, output = run_job(["--nprocs", "2", "--devices-per-proc", "2"], command + ["--resume"],
+                           timeout=240, env=env)
+    assert code == 0, output[-5000:]
+    assert [r["step"] for r in records(out)] == list(range(1, 9))
+    for p in (0, 1):
+        assert [r["step"] for r in sample_records(out) if r["file"] == f"sample_ids.p{p}.jsonl"] == list(range(1, 9))
+    np.testing.assert_array_equal(epoch_ids(out, 0), np.arange(256))  # every sample exactly once
+
+
+def test_partial_and_corrupted_checkpoints_fall_back_to_the_last_good_one(tmp_path):
+    cfg = TrainConfig(out=str(tmp_path), devices=2, synthetic_size=(256, 32), checkpoint_every=2, **TINY)
+    train(cfg, stop_after_steps=5)  # checkpoints 2 and 4 (and 5, the interruption's)
+    ckpt_dir = os.path.join(cfg.out, "checkpoints")
+    assert complete_steps(cfg.out) == [2, 4, 5]
+    # A save that died half-way (orbax's temporary name) and two damaged checkpoints.
+    partial = os.path.join(ckpt_dir, "6.orbax-checkpoint-tmp-1234567")
+    os.makedirs(os.path.join(partial, "state"))
+    with open(os.path.join(partial, "state", "junk"), "wb") as f:
+        f.write(b"\0" * 100)
+    truncated = _largest_file(os.path.join(ckpt_dir, "5", "state"))
+    with open(truncated, "r+b") as f:
+        f.truncate(os.path.getsize(truncated) // 2)
+    garbled = _largest_file(os.path.join(ckpt_dir, "4", "state"))
+    with open(garbled, "r+b") as f:
+        f.seek(os.path.getsize(garbled) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))  # same size, one byte flipped
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = Checkpointer(ckpt_dir)
+        with pytest.raises(CheckpointCorrupt, match=f"file {truncated} has .* bytes, .* were written"):
+            ck.verify(5)
+        with pytest.raises(CheckpointCorrupt, match=f"file {garbled} differs from what was written"):
+            ck.verify(4)
+        assert ck.verify(2)
+        ck.close()
+        assert not os.path.exists(partial)  # the leftover is removed, never restored
+        train(TrainConfig(**dict(vars(cfg), resume=True)))
+    messages = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert any("removed 1 partially written checkpoint" in m and "6.orbax-checkpoint-tmp" in m for m in messages)
+    assert any(truncated in m and "falling back to step 4" in m for m in messages), messages
+    assert any(garbled in m and "falling back to step 2" in m for m in messages), messages
+    # Resumed from step 2: steps 3.. again, every sample once.
+    assert [r["step"] for r in records(cfg.out)] == list(range(1, 9))
+    np.testing.assert_array_equal(epoch_ids(cfg.out, 0), np.arange(256))
+
+
+def _largest_file(root):
+    files = [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]
+    return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("strategy", ["zero3" if "zero3" in REGISTRY else "ddp"])
+def test_resume_on_half_the_devices_repartitions_the_rest_of_the_epoch(tmp_path, capsys, strategy):
+    """4 devices, checkpoint after 3 of 8 steps, resume on 2: the state reshards through the
+    canonical layout, and the remaining 5 steps deal samples 96.. of the epoch's order over
+    2 devices, so the epoch's 256 samples are each fed once."""
+    cfg = TrainConfig(out=str(tmp_path), strategy=strategy, devices=4, synthetic_size=(256, 32), **TINY)
+    train(cfg, stop_after_steps=3)
+    resumed = train(TrainConfig(**dict(vars(cfg), devices=2, resume=True)))
+    assert "resuming a run saved on 4 devices (1 process(es)) on 2 (1): epoch 0 continues after its first " \
+           "96 samples, repartitioned over 2 devices" in capsys.readouterr().err
+    assert resumed["steps"] == 8 and np.isfinite(resumed["eval"]["loss"])
+    recs = sample_records(cfg.out)
+    assert [len(r["ranks"]) for r in recs] == [4, 4, 4, 2, 2, 2, 2, 2]
+    np.testing.assert_array_equal(epoch_ids(cfg.out, 0), np.arange(256))
+    order = epoch_permutation(256, cfg.seed, 0)
+    fed = np.concatenate([np.asarray(r["ids"]).T.ravel() for r in recs])  # entry j of a step: device j % N
+    np.testing.assert_array_equal(fed, order)
+
+
+@pytest.mark.parametrize("n, before, after", [(254, 4, 2), (254, 2, 4), (250, 8, 2), (256, 4, 1)])
+def test_elastic_data_semantics_with_a_ragged_tail(n, before, after):
+    """The documented rule, on the data pipeline alone: step s takes entries [sG, (s+1)G) of
+    the epoch's order padded for the current device count. Resumed on another count mid-epoch,
+    the union of what was fed is exactly what a run on the new count feeds in the whole epoch:
+    no sample lost or repeated beyond that count's own padding and dropped tail."""
+    data = ArrayDataset(np.zeros((n, 32, 32, 3), np.uint8), np.zeros(n, np.int64), "ragged")
+    g, seed, epoch, done = 16, 3, 1, 2
+
+    def ids(replicas, start):
+        batches = epoch_batches(data, num_replicas=replicas, batch_per_replica=g // replicas, epoch=epoch,
+                                seed=seed, start_step=start)
+        return [np.asarray(b.indices).T.ravel() for b in batches]  # entry j -> device j % N
+
+    first = ids(before, 0)[:done]
+    rest = ids(after, done)
+    fed = np.concatenate(first + rest)
+    whole_on_new = np.concatenate(ids(after, 0))
+    np.testing.assert_array_equal(fed, whole_on_new)
+    padded = partition(epoch_permutation(n, seed, epoch), after, False).T.ravel()
+    np.testing.assert_array_equal(fed, padded[:steps_per_epoch(n, after, g // after) * g])
+    real = fed[:min(len(fed), n)]
+    assert len(np.unique(real)) == len(real)  # repeats only in the padding past n
