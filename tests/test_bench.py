@@ -1,0 +1,34 @@
+"""``jaxdp bench`` end to end with tiny settings: one strategy, N = 2, both frameworks.
+
+Checks the plumbing (table, JSON, Markdown, PNG; a timed row for each framework; the
+HLO traffic beside its formula), never the speed. Runs in-process (conftest has
+already simulated 8 devices, so the bench's own device flag is a no-op here).
+"""
+
+import json
+import os
+
+from jaxdp.cli import main
+
+
+def test_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--strategies", "ddp", "--n", "2", "--width", "4", "--blocks", "1,1,1,1",
+               "--global-batch", "4", "--steps", "2", "--warmup", "1", "--pipeline-images", "64",
+               "--out", str(out), "--tag", "smoke"])
+    assert rc == 0
+    assert "| ddp | 2 |" in capsys.readouterr().out
+    for ext in ("json", "md", "png"):
+        assert os.path.getsize(out / f"smoke.{ext}") > 0
+    result = json.loads((out / "smoke.json").read_text())
+    (row,) = result["rows"]
+    assert row["strategy"] == "ddp" and row["n"] == 2
+    for fw in ("jaxdp", "torch_ref"):
+        assert len(row[fw]["step_times_s"]) == 2, row[fw]
+        assert row[fw]["median_step_s"] > 0
+    assert row["ratio_jax_over_torch"] > 0
+    j = row["jaxdp"]
+    assert j["compile_s"] > 0 and j["memory"]["total"] > 0
+    # DDP's all-reduce of the f32 params: measured ring bytes within 5% of 2(N-1)/N·4Ψ (plus BN/metrics).
+    assert abs(j["collectives"]["ring_bytes"] / j["traffic_formula_bytes"] - 1) < 0.05
+    assert result["environment"]["loadavg"] and result["pipeline"]["images_per_s"] > 0
