@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdp.models import create_model
+from jaxdp.models.batchnorm import BatchNorm
 
 
 def tiny_resnet(dtype="float64", **kw):
@@ -23,6 +24,36 @@ class TinyConvNet(nn.Module):
         x = nn.Conv(4, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, param_dtype=self.dtype)(x)
         x = nn.relu(x).mean(axis=(1, 2))
         return nn.Dense(10, dtype=self.dtype, param_dtype=self.dtype)(x)
+
+
+class TinyBNNet(nn.Module):
+    """conv -> torch-semantics BatchNorm -> dense: the BN code path at a fraction of a ResNet's compile time."""
+
+    dtype: jnp.dtype = jnp.float64
+    bn_axis_name: str = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Conv(4, (3, 3), padding=((1, 1), (1, 1)), use_bias=False, dtype=self.dtype, param_dtype=self.dtype)(x)
+        x = BatchNorm(axis_name=self.bn_axis_name, dtype=self.dtype, param_dtype=self.dtype)(x, train)
+        x = nn.relu(x).mean(axis=(1, 2))
+        return nn.Dense(10, dtype=self.dtype, param_dtype=self.dtype)(x)
+
+
+def numpy_init(model, size=8, seed=0):
+    """Variables drawn with numpy (jit-compiling model.init costs more than the tests; eager is slower still)."""
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3), model.dtype)))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, s):
+        name = path[-1].key
+        if name == "var":
+            return rng.uniform(0.5, 1.5, s.shape).astype(s.dtype)
+        fan_in = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
+        return (rng.normal(size=s.shape) / np.sqrt(fan_in) + (name == "scale")).astype(s.dtype)
+
+    variables = jax.tree_util.tree_map_with_path(draw, shapes)
+    return {"batch_stats": {}, **variables}
 
 
 def random_batch(n, size=8, seed=0, dtype=np.float64):

@@ -9,7 +9,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 from helpers import max_rel_error, random_batch  # noqa: E402
-from test_dp import TinyBNNet, init  # noqa: E402  (the small BN model and numpy init)
+from helpers import TinyBNNet, numpy_init as init  # noqa: E402
 
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402

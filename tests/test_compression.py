@@ -15,9 +15,8 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
-from helpers import TinyConvNet, max_rel_error, random_batch  # noqa: E402
+from helpers import TinyConvNet, max_rel_error, numpy_init as init, random_batch  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from test_dp import init  # noqa: E402  (numpy-drawn variables: no init compile)
 
 from jaxdp.collectives import ring_all_reduce  # noqa: E402
 from jaxdp.compression import PowerSGD, low_precision_reduce  # noqa: E402

@@ -11,45 +11,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import flax.linen as nn  # noqa: E402
-from helpers import TinyConvNet, max_rel_error, random_batch  # noqa: E402
+from helpers import TinyBNNet, TinyConvNet, max_rel_error, numpy_init as init, random_batch  # noqa: E402
 
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
-from jaxdp.models.batchnorm import BatchNorm  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-
-
-class TinyBNNet(nn.Module):
-    """conv -> torch-semantics BatchNorm -> dense: the BN code path at a fraction of a ResNet's compile time."""
-
-    dtype: jnp.dtype = jnp.float64
-    bn_axis_name: str = None
-
-    @nn.compact
-    def __call__(self, x, train=True):
-        x = nn.Conv(4, (3, 3), padding=((1, 1), (1, 1)), use_bias=False, dtype=self.dtype, param_dtype=self.dtype)(x)
-        x = BatchNorm(axis_name=self.bn_axis_name, dtype=self.dtype, param_dtype=self.dtype)(x, train)
-        x = nn.relu(x).mean(axis=(1, 2))
-        return nn.Dense(10, dtype=self.dtype, param_dtype=self.dtype)(x)
-
-
-def init(model, size=8, seed=0):
-    """Variables drawn with numpy (jit-compiling model.init costs more than the tests; eager is slower still)."""
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3), model.dtype)))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        name = path[-1].key
-        if name == "var":
-            return rng.uniform(0.5, 1.5, s.shape).astype(s.dtype)
-        fan_in = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
-        return (rng.normal(size=s.shape) / np.sqrt(fan_in) + (name == "scale")).astype(s.dtype)
-
-    variables = jax.tree_util.tree_map_with_path(draw, shapes)
-    return {"batch_stats": {}, **variables}
 
 
 def reference_data_parallel(model, variables, tx, batches, n):
