@@ -1,10 +1,14 @@
-"""Checkpoints: orbax, atomic, verified, in the strategy-independent canonical layout.
+"""Checkpoints: orbax, atomic, verified, sharded, in a strategy-independent layout.
 
-A checkpoint holds the canonical TrainState (full params and optimizer state,
-as DDP keeps them) plus a JSON record of where training stands (epoch, step in
-epoch, the data position, config fingerprint). Because the layout is canonical,
-a run saved under one strategy or device count can resume under another: the
-strategy re-shards on ``from_canonical``.
+A checkpoint holds the TrainState in the layout every strategy converts to and
+from (``Strategy.stored``: params and per-parameter optimizer state flat, padded
+and sharded over the data axis, as ZeRO-3 keeps them) plus a JSON record of
+where training stands (epoch, step in epoch, the data position, config
+fingerprint). Each device's chunks are written by the process that owns them,
+and nothing is gathered to save. A run saved under one strategy or device count
+resumes under another: orbax pads or truncates the flat arrays to the new
+count's padding (only padding changes) and the strategy converts with
+``from_stored``.
 
 Three ways a checkpoint can be bad, and what happens:
 
@@ -14,11 +18,13 @@ Three ways a checkpoint can be bad, and what happens:
   warning) when the next run opens the directory.
 - **corrupted after the fact** (a truncated or garbled file): after each save,
   process 0 records every file's size and sha256 in ``<step>/jaxdp_manifest.json``.
-  ``restore_latest`` checks them first and names the first file that differs;
-  a checkpoint orbax cannot read counts as corrupted too. It then warns and
-  falls back to the previous checkpoint (``max_to_keep`` keeps 3).
+  ``restore_latest`` checks them first (on process 0, which tells the others)
+  and names the first file that differs; a checkpoint without a manifest that
+  orbax cannot read counts as corrupted too. It then warns and falls back to the
+  previous checkpoint (``max_to_keep`` keeps 3).
 - **from another run** (different model, batch, seed...): not a corruption, so
-  no fallback: the caller's ``check_meta`` raises ``CheckpointError``.
+  no fallback: the caller's ``check_meta`` raises ``CheckpointError``, and so
+  does an array of another shape than the run needs.
 
 Multi-process: every process calls ``save`` (orbax coordinates: each writes its
 shards, process 0 the metadata) and the directory must be on a filesystem that
@@ -47,6 +53,10 @@ class CheckpointCorrupt(CheckpointError):
     """A checkpoint whose files are not what was written (or that orbax cannot read)."""
 
 
+class CheckpointUnreadable(CheckpointError):
+    """orbax could not read a checkpoint (corrupt, or another failure: see ``restore_latest``)."""
+
+
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped or a leftover removed; training goes on."""
 
@@ -57,7 +67,8 @@ class Checkpointer:
         if jax.process_index() == 0:
             self._remove_partial_saves()
         self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
 
     def _remove_partial_saves(self) -> None:
@@ -154,25 +165,51 @@ class Checkpointer:
         return step
 
     # -- restoring -----------------------------------------------------------------------------
-    def restore(self, like_state, global_step: Optional[int] = None) -> Tuple[object, dict]:
-        """Restore into the shapes, dtypes and shardings of ``like_state``."""
+    def restore(self, target, global_step: Optional[int] = None) -> Tuple[object, dict]:
+        """Restore into ``target``'s shapes, dtypes and shardings (arrays or ShapeDtypeStructs).
+
+        Every array must have the saved shape, except the flat layout's (1-D ``params`` and
+        ``opt_state`` leaves): their padding depends on the device count, and orbax pads
+        or truncates them to the target's length (see ``Strategy.stored``).
+        """
         step = self._step_or_latest(global_step)
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+        self._check_shapes(step, abstract)
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-            )
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract, strict=False), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types; name the checkpoint for the user
-            raise CheckpointCorrupt(f"checkpoint {self.step_dir(step)} cannot be restored: {_first_line(e)}") from e
+            raise CheckpointUnreadable(f"checkpoint {self.step_dir(step)} cannot be restored: {_first_line(e)}") from e
         return restored["state"], restored["meta"]
 
-    def restore_latest(self, like_state, check_meta: Optional[Callable[[dict], None]] = None
+    def _check_shapes(self, step: int, abstract) -> None:
+        try:
+            saved = {leaf.name: tuple(leaf.shape)
+                     for leaf in jax.tree_util.tree_leaves(self._manager.item_metadata(step)["state"].tree)}
+        except Exception as e:
+            raise CheckpointUnreadable(f"checkpoint {self.step_dir(step)} has no readable array metadata: "
+                                       f"{_first_line(e)}") from e
+        wanted = {_leaf_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(abstract)}
+        for name in sorted(set(saved) | set(wanted)):
+            have, want = saved.get(name), wanted.get(name)
+            if have == want or (have is not None and want is not None and _resizable(name, have, want)):
+                continue
+            raise CheckpointError(
+                f"cannot restore {self.step_dir(step)}: its {name} is "
+                f"{'absent' if have is None else 'shaped ' + str(have)}, this run needs "
+                f"{'none' if want is None else str(want)} (a different model or strategy state)")
+
+    def restore_latest(self, target, check_meta: Optional[Callable[[dict], None]] = None
                        ) -> Tuple[object, dict, int]:
         """(state, meta, step) of the newest checkpoint that verifies and restores.
 
         A corrupted one is skipped with a ``CheckpointWarning`` naming the bad file, and the
-        previous one is tried. ``check_meta(meta)`` runs before the arrays are read; its
-        ``CheckpointError`` (wrong run) is raised as is, without falling back.
+        previous one is tried. Corrupted means: a file differs from the manifest, or, for a
+        checkpoint without a manifest (the writer died between orbax's rename and the
+        manifest), orbax cannot read it. A verified checkpoint that fails to restore (out of
+        memory, a filesystem error) is raised, not skipped: its files are as written.
+        ``check_meta(meta)`` runs before the arrays are read; its ``CheckpointError`` (wrong
+        run) is raised as is, without falling back.
         """
         steps = self.all_steps()
         if not steps:
@@ -180,11 +217,16 @@ class Checkpointer:
         problems = []
         for step in reversed(steps):
             try:
-                self.verify(step)
+                has_manifest = self._verify_once(step)
                 _, meta = self.read_meta(step)
                 if check_meta is not None:
                     check_meta(meta)
-                state, meta = self.restore(like_state, step)
+                try:
+                    state, meta = self.restore(target, step)
+                except CheckpointUnreadable as e:
+                    if has_manifest:
+                        raise CheckpointError(str(e)) from e
+                    raise CheckpointCorrupt(f"{e} (and it has no manifest to check its files against)") from e
             except CheckpointCorrupt as e:
                 problems.append(str(e))
                 older = [s for s in steps if s < step]
@@ -193,6 +235,22 @@ class Checkpointer:
                 continue
             return state, meta, step
         raise CheckpointError(f"no usable checkpoint in {self.directory}: " + "; ".join(problems))
+
+    def _verify_once(self, step: int) -> bool:
+        """``verify`` on process 0 only (one read of the files, not one per process); every
+        process gets its verdict, so all of them resume from the same step."""
+        from jaxdp.mesh import share_from_first
+
+        verdict = ""
+        if jax.process_index() == 0:
+            try:
+                verdict = "verified" if self.verify(step) else "no manifest"
+            except CheckpointCorrupt as e:
+                verdict = str(e)
+        verdict = share_from_first(f"verify-{step}", verdict)
+        if verdict not in ("verified", "no manifest"):
+            raise CheckpointCorrupt(verdict)
+        return verdict == "verified"
 
     def close(self) -> None:
         self._manager.close()
@@ -220,6 +278,18 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _first_line(e: BaseException) -> str:
+def _leaf_name(path) -> str:
+    """A leaf's name as orbax records it: keys joined by dots (``params.conv1.kernel``)."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+def _resizable(name: str, saved: tuple, wanted: tuple) -> bool:
+    """The flat layout's arrays: 1-D params and optimizer state, padded per device count."""
+    return name.split(".")[0] in ("params", "opt_state") and len(saved) == len(wanted) == 1
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """The gist of an orbax/tensorstore error: its first line, without the spec dump, capped."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0].split(" [tensorstore_spec=")[0] if text else type(e).__name__
+    return line if len(line) <= limit else line[:limit] + "..."

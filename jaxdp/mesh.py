@@ -237,3 +237,20 @@ def barrier(name: str, timeout_s: int = 1800) -> None:
         return
     _BARRIERS[0] += 1
     distributed.global_state.client.wait_at_barrier(f"jaxdp:{name}:{_BARRIERS[0]}", timeout_s * 1000)
+
+
+def share_from_first(name: str, text: str, timeout_s: int = 1800) -> str:
+    """Process 0's ``text`` in every process (itself in a single process), through the
+    coordination service's key-value store: e.g. a verdict only process 0 computes."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if jax.process_count() == 1 or client is None:
+        return text
+    _BARRIERS[0] += 1
+    key = f"jaxdp:{name}:{_BARRIERS[0]}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, text)
+        return text
+    return client.blocking_key_value_get(key, timeout_s * 1000)

@@ -1,7 +1,7 @@
 """The training loop: data -> strategy.step -> metrics, eval and checkpoints.
 
 It knows nothing about which strategy runs; it only asks the strategy to place
-the state and batches, step, evaluate, and convert to the canonical layout for
+the state and batches, step, evaluate, and convert to the checkpoint layout for
 checkpoints.
 
 Multi-process (``jaxdp launch``, ``srun``): every process runs this same loop.
@@ -280,10 +280,10 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
 
     start_epoch, start_step, global_step = 0, 0, 0
     if cfg.resume and ckpt.latest_step() is not None:
-        canonical, meta, _ = ckpt.restore_latest(
-            strategy.canonical(state),
+        stored, meta, _ = ckpt.restore_latest(
+            strategy.stored_target(state),
             check_meta=lambda m: _check_fingerprint(m["fingerprint"], fingerprint, ckpt.directory))
-        state = strategy.from_canonical(canonical)
+        state = strategy.from_stored(stored)
         start_epoch, start_step, global_step = _resume_position(meta, data_position, steps_per_epoch, is_main)
     start_global_step = global_step
     if is_main:
@@ -298,7 +298,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
         meta = {"epoch": position[0], "step_in_epoch": position[1], "global_step": global_step,
                 "fingerprint": fingerprint, "data": data_position(*position),
                 "rng": {"init_seed": cfg.seed, "augment": "stateless: keyed by (seed, epoch, sample id)"}}
-        ckpt.save(global_step, strategy.canonical(state), meta)
+        ckpt.save(global_step, strategy.stored(state), meta)
 
     def shard(batch):
         return (*strategy.shard_batch(_flat(batch.images), _flat(batch.labels)), batch.indices)

@@ -27,16 +27,27 @@ TINY = dict(width=4, blocks=(1, 1, 1, 1), global_batch_size=32, epochs=1, lr=0.0
             progress=False, log_sample_ids=True)
 
 
+def steps_logged(out):
+    """Steps process 0 has run: its --log-sample-ids file has one line per step (counted by
+    newlines, so a line being written is not read half-way)."""
+    path = os.path.join(out, "sample_ids.p0.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        return f.read().count(b"\n")
+
+
 def complete_steps(out):
     root = os.path.join(out, "checkpoints")
     return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
 
 
 def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_factory):
-    """2 processes x 2 devices, 8 steps, a checkpoint every 4. Process 1 is SIGKILLed once
-    step 4's checkpoint is complete: the launcher stops process 0 and fails naming process 1;
-    ``--resume`` continues from the newest complete checkpoint; the checkpointed prefix of
-    the killed run plus the resumed run fed each of the 256 samples exactly once."""
+    """2 processes x 2 devices, 8 steps, a checkpoint every 4. Process 1 is SIGKILLed after
+    step 6, i.e. with steps 5 and 6 done but not checkpointed: the launcher stops process 0
+    and fails naming process 1; ``--resume`` continues from the newest complete checkpoint
+    (4), drops what the killed run did after it and feeds steps 5.. again; the checkpointed
+    prefix plus the resumed run fed each of the 256 samples exactly once."""
     out = str(tmp_path / "run")
     env = job_env(JAX_COMPILATION_CACHE_DIR=shared_2x2_cache(tmp_path_factory))
     command = jaxdp("train", *ARGS, "--synthetic-size", "256,32", "--checkpoint-every", "4", "--out", out)
@@ -44,9 +55,9 @@ def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_
     try:
         pids = job.pids()
         deadline = time.monotonic() + 240
-        while not os.path.exists(os.path.join(out, "checkpoints", "4", MANIFEST)):
+        while not (os.path.exists(os.path.join(out, "checkpoints", "4", MANIFEST)) and steps_logged(out) >= 6):
             assert job.proc.poll() is None and time.monotonic() < deadline, job.output[-5000:]
-            time.sleep(0.02)
+            time.sleep(0.01)
         os.kill(pids[1], signal.SIGKILL)
         t_kill = time.monotonic()
         code = job.wait(timeout=60)
@@ -61,7 +72,9 @@ def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_
     assert not alive(pids[0])
     saved = complete_steps(out)
     assert saved == [4], saved  # killed mid-epoch, after the step-4 save
-    print(f"killed after step {len(records(out))}, newest complete checkpoint {saved[-1]}, "
+    killed_at = steps_logged(out)
+    assert killed_at > saved[-1]  # work past the checkpoint that the resume must redo, not skip
+    print(f"killed after step {killed_at}, newest complete checkpoint {saved[-1]}, "
           f"launcher exited {detected:.2f} s after the kill")
 
     code, output = run_job(["--nprocs", "2", "--devices-per-proc", "2"], command + ["--resume"],

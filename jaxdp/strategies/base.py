@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.mesh import DATA_AXIS, shard_batch
 from jaxdp.state import TrainState
+from jaxdp.strategies import flat
 
 
 class StrategyError(ValueError):
@@ -127,6 +128,10 @@ class Strategy:
 
     name = "base"
     batch_axes: Any = DATA_AXIS  # mesh axes the batch is split over
+    # Which parts this strategy keeps in the flat, padded, sharded layout of ``flat.py``
+    # (DDP: none; ZeRO-1/2: the optimizer state; ZeRO-3: the params too).
+    flat_params = False
+    flat_opt_state = False
 
     def __init__(self, model, tx: optax.GradientTransformation, mesh, *, accum_steps: int = 1,
                  sync_bn: bool = False, axis: str = DATA_AXIS, return_grads: bool = False):
@@ -137,6 +142,8 @@ class Strategy:
         self.mesh = mesh
         self.axis = axis
         self.num_devices = int(np.prod([mesh.shape[a] for a in _as_tuple(self.batch_axes)]))
+        self.shards = mesh.shape[axis]  # chunks of the flat layout (HSDP: the shard group's size)
+        self.shapes = None  # the full params' shapes, known once a state is built
         self.tx = tx
         self.accum_steps = accum_steps
         self.sync_bn = sync_bn
@@ -153,6 +160,7 @@ class Strategy:
 
     def init_state(self, variables) -> TrainState:
         params = variables["params"]
+        self.shapes = flat.shapes_of(params)
         state = TrainState(
             step=jnp.zeros((), jnp.int32), params=params,
             batch_stats=variables.get("batch_stats", {}), opt_state=self.tx.init(params),
@@ -188,19 +196,58 @@ class Strategy:
 
     # -- canonical form (checkpoints, parity) ---------------------------------------------------
     def canonical(self, state: TrainState) -> TrainState:
-        """The state in the plain DDP layout: full params and optimizer state."""
-        return state
+        """The state in the plain DDP layout: full params and optimizer state.
+
+        A copy, as every strategy's: the next ``step`` donates (deletes) the state's arrays.
+        """
+        return jax.tree_util.tree_map(jnp.copy, state)
 
     def from_canonical(self, state: TrainState) -> TrainState:
+        self.shapes = flat.shapes_of(state.params)
         return self.place(state)
+
+    # -- the checkpoint layout -----------------------------------------------------------------
+    # Checkpoints hold every strategy's state in ZeRO-3's layout: params and per-parameter
+    # optimizer state flat, padded and sharded over the data axis (``flat.py``); step, BN
+    # buffers and ``extra`` as the strategy keeps them. So each device writes only its own
+    # chunks, and saving or restoring never puts more on a device than the strategy keeps
+    # there (a ZeRO-3 model that fits only sharded can be checkpointed). The same files
+    # restore onto any strategy and any device count: orbax pads or truncates each flat
+    # array to the new count's padding, and only padding (zeros) changes.
+    def stored(self, state: TrainState) -> TrainState:
+        """This strategy's state -> the checkpoint layout (each strategy flattens what it keeps whole)."""
+        return flat.to_flat_state(state, self.tx, self.shards, self.stored_shardings,
+                                  params=not self.flat_params, opt_state=not self.flat_opt_state)
+
+    def from_stored(self, stored: TrainState) -> TrainState:
+        """The checkpoint layout (padded for this device count) -> this strategy's state."""
+        if self.shapes is None:
+            raise StrategyError(f"{self.name}: build a state with init_state first (it fixes the params' shapes)")
+        return flat.from_flat_state(stored, self.tx, self.shapes, self.state_shardings,
+                                    params=not self.flat_params, opt_state=not self.flat_opt_state)
+
+    def stored_target(self, state: TrainState):
+        """Shapes, dtypes and shardings of ``stored(state)``, computing nothing: what a restore fills."""
+        shapes = jax.eval_shape(self.stored, state)
+        return jax.tree_util.tree_map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                      shapes, self.stored_shardings(shapes))
+
+    def stored_shardings(self, stored):
+        specs = _broadcast_prefix(self.state_specs(stored), stored)
+        chunks = P(self.axis)
+        specs = specs.replace(params=jax.tree_util.tree_map(lambda _: chunks, stored.params),
+                              opt_state=flat.opt_state_specs(stored.opt_state, chunks, P()))
+        return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                                      is_leaf=lambda x: isinstance(x, P))
 
     # -- compiled entry points -----------------------------------------------------------------
     def local_step(self, state: TrainState, images, labels):
         raise NotImplementedError
 
-    def eval_params(self, state: TrainState):
-        """Full params, per device, for evaluation (ZeRO-3 gathers them here)."""
-        return state.params
+    def eval_logits(self, state: TrainState, images):
+        """The model in eval mode (BN running stats) on this device's images (ZeRO-3 gathers per unit)."""
+        return _with_bn_axis(self.model, None).apply(
+            {"params": state.params, "batch_stats": state.batch_stats}, images, train=False)
 
     def _step_fn(self, state: TrainState):
         """The jitted, shard_mapped step, built on first use (its specs need the state)."""
@@ -232,9 +279,7 @@ class Strategy:
         return self._jit_eval(state, images, labels, mask)
 
     def _local_eval(self, state, images, labels, mask):
-        logits = _with_bn_axis(self.model, None).apply(
-            {"params": self.eval_params(state), "batch_stats": state.batch_stats}, images, train=False
-        )
+        logits = self.eval_logits(state, images)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         weight = mask.astype(losses.dtype)
         correct = (jnp.argmax(logits, -1) == labels).astype(losses.dtype)

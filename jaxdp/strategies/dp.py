@@ -94,6 +94,13 @@ class DataParallel(Strategy):
         """Device 0's copy: the state nn.DataParallel's module and optimizer hold."""
         return jax.tree_util.tree_map(lambda x: jax.device_put(x[0], self.devices[0]), state)
 
+    def stored(self, state):
+        # Device 0's copy, replicated on the mesh so that the shared layout code can cut it.
+        return super().stored(jax.device_put(self.canonical(state), NamedSharding(self.mesh, P())))
+
+    def from_stored(self, stored):
+        return self.place(super().from_stored(stored))
+
     def shard_batch(self, images, labels, mask=None):
         n = self.num_devices
         if images.shape[0] % n:

@@ -119,13 +119,16 @@ def _key(entry):
 
 # ----------------------------------------------------------------------------- whole-state conversion (global arrays)
 
-def to_flat_state(state, tx, n: int, shard_params: bool, shardings):
-    """DDP's layout -> this one, as fresh arrays placed by ``shardings(abstract state)``.
+def to_flat_state(state, tx, n: int, shardings, *, params: bool, opt_state: bool):
+    """Flatten and pad for ``n`` shards the parts named True (full tensors -> this layout), as
+    fresh arrays placed by ``shardings(abstract state)``; every other leaf is copied.
 
-    Per-parameter optimizer leaves (and, for ZeRO-3, the params) become flat and
-    padded for ``n`` shards; everything else is copied. One compiled program
-    does the whole state: placing leaf by leaf with ``device_put`` compiled a
-    resharding program per tensor shape (seconds per strategy).
+    ``params``/``opt_state`` name the parts to convert: from DDP's layout, ZeRO-1/2 convert
+    the optimizer state, ZeRO-3 the params too; to the checkpoint layout (all flat), each
+    strategy converts what it keeps whole. Only per-parameter optimizer leaves become flat,
+    scalar counts are copied. One compiled program does the whole state: placing leaf by
+    leaf with ``device_put`` compiled a resharding program per tensor shape (seconds per
+    strategy). With sharded outputs each device computes only its own chunks.
     """
     opt, o_def = jax.tree_util.tree_flatten(state.opt_state)
     flat_like = jax.tree_util.tree_leaves(jax.eval_shape(tx.init, flat_shapes(shapes_of(state.params), n)))
@@ -137,25 +140,26 @@ def to_flat_state(state, tx, n: int, shard_params: bool, shardings):
                              "it cannot be sharded by this layout")
 
     def convert(s):
-        opt = jax.tree_util.tree_leaves(s.opt_state)
+        leaves = jax.tree_util.tree_leaves(s.opt_state)
         return _copy(s).replace(
-            params=jax.tree_util.tree_map(lambda x: to_flat(x, n), s.params) if shard_params else _copy(s.params),
+            params=jax.tree_util.tree_map(lambda x: to_flat(x, n), s.params) if params else _copy(s.params),
             opt_state=jax.tree_util.tree_unflatten(
-                o_def, [to_flat(x, n) if f.ndim else jnp.copy(x) for x, f in zip(opt, flat_like)]),
+                o_def, [to_flat(x, n) if opt_state and f.ndim else jnp.copy(x) for x, f in zip(leaves, flat_like)]),
         )
     return jax.jit(convert, out_shardings=shardings(jax.eval_shape(convert, state)))(state)
 
 
-def from_flat_state(state, tx, shapes, shard_params: bool, shardings):
-    """Inverse of ``to_flat_state``: full tensors in DDP's trees."""
+def from_flat_state(state, tx, shapes, shardings, *, params: bool, opt_state: bool):
+    """Inverse of ``to_flat_state``: the parts named True become full tensors (``shapes``: the
+    full params'), placed by ``shardings``; every other leaf is copied."""
     full = jax.tree_util.tree_leaves(jax.eval_shape(tx.init, shapes))
 
     def convert(s):
         opt, o_def = jax.tree_util.tree_flatten(s.opt_state)
         return _copy(s).replace(
-            params=jax.tree_util.tree_map(from_flat, s.params, shapes) if shard_params else _copy(s.params),
+            params=jax.tree_util.tree_map(from_flat, s.params, shapes) if params else _copy(s.params),
             opt_state=jax.tree_util.tree_unflatten(
-                o_def, [from_flat(x, c) if x.ndim else jnp.copy(x) for x, c in zip(opt, full)]),
+                o_def, [from_flat(x, c) if opt_state and x.ndim else jnp.copy(x) for x, c in zip(opt, full)]),
         )
     return jax.jit(convert, out_shardings=shardings(jax.eval_shape(convert, state)))(state)
 

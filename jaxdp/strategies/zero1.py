@@ -17,7 +17,8 @@ the all-reduce by a reduce-scatter and gets to 2Ψ.
 
 This class also owns the sharded-state bookkeeping the later stages inherit:
 where each part lives (``state_specs``), and the conversion to and from DDP's
-layout (``canonical``/``from_canonical``) for checkpoints and parity checks.
+layout (``canonical``/``from_canonical``) for parity checks and inspection.
+(Checkpoints use ZeRO-3's layout, ``Strategy.stored``: nothing is gathered to save.)
 Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s do); a
 global-norm clip would see only a chunk.
 """
@@ -35,13 +36,11 @@ from jaxdp.strategies.ddp import DDP
 
 class ZeRO1(DDP):
     name = "zero1"
-    shard_params = False  # ZeRO-3 keeps the params sharded at rest too
+    flat_opt_state = True  # ZeRO-3 keeps the params flat and sharded at rest too
 
     def __init__(self, model, tx, mesh, *, bucket_cap_mb: float = 25.0, **kwargs):
         # An explicit signature: DDP-only options (compression, ring all-reduce) are not ZeRO's.
         super().__init__(model, tx, mesh, bucket_cap_mb=bucket_cap_mb, **kwargs)
-        self.shards = self.mesh.shape[self.axis]  # N of the 1/N (ZeRO-3 within an HSDP group: S)
-        self.shapes = None  # the full params' shapes, known once a state is built
 
     # -- per device -----------------------------------------------------------------------------
     def averaged_grads(self, state, images, labels):
@@ -79,7 +78,7 @@ class ZeRO1(DDP):
         shard = P(self.axis)
         return state.replace(
             step=P(), batch_stats=P(), extra=P(),
-            params=shard if self.shard_params else P(),
+            params=shard if self.flat_params else P(),
             opt_state=flat.opt_state_specs(state.opt_state, shard, P()),
         )
 
@@ -91,18 +90,19 @@ class ZeRO1(DDP):
         ))
 
     def from_canonical(self, state: TrainState) -> TrainState:
-        """DDP's layout -> this strategy's, for this mesh (any N: checkpoints reshard here)."""
+        """DDP's layout -> this strategy's, for this mesh (any N)."""
         if state.extra is not None:
             raise StrategyError(f"{self.name} keeps no extra state, the checkpoint has some")
         self.shapes = flat.shapes_of(state.params)
         # Onto this mesh first: a plain transfer, where jit would compile a resharding per tensor shape.
         state = jax.device_put(state, NamedSharding(self.mesh, P()))
-        return flat.to_flat_state(state, self.tx, self.shards, self.shard_params, self.state_shardings)
+        return flat.to_flat_state(state, self.tx, self.shards, self.state_shardings,
+                                  params=self.flat_params, opt_state=True)
 
     def canonical(self, state: TrainState) -> TrainState:
         """This layout -> DDP's: full params and optimizer state, replicated."""
         if self.shapes is None:
             raise StrategyError(f"{self.name}: build the state with init_state/from_canonical first")
         replicated = NamedSharding(self.mesh, P())
-        return flat.from_flat_state(state, self.tx, self.shapes, self.shard_params,
-                                    lambda s: jax.tree_util.tree_map(lambda _: replicated, s))
+        return flat.from_flat_state(state, self.tx, self.shapes, lambda s: jax.tree_util.tree_map(lambda _: replicated, s),
+                                    params=self.flat_params, opt_state=True)

@@ -24,7 +24,7 @@ that would need the full, unsharded local gradient to accumulate into (FSDP's
 ``no_sync``), which is exactly the 4Ψ per device ZeRO-3 exists to remove. The
 cost is K times the traffic; the sum is linear, so the result is DDP's.
 
-Evaluation gathers the full params (no gradients or optimizer state then).
+Evaluation runs the same unit-by-unit gather, forward only.
 """
 
 import jax
@@ -40,7 +40,7 @@ from jaxdp.strategies.zero2 import ZeRO2
 
 class ZeRO3(ZeRO2):
     name = "zero3"
-    shard_params = True
+    flat_params = True
 
     def __init__(self, model, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False, axis: str = DATA_AXIS,
                  return_grads: bool = False):
@@ -69,8 +69,10 @@ class ZeRO3(ZeRO2):
         return new_state, train_metrics(loss, correct, images.shape[0], self.batch_axes,
                                         self.gather(grads) if self.return_grads else None)
 
-    def eval_params(self, state):
-        return self.gather(state.params)
+    def eval_logits(self, state, images):
+        # As in training, one unit's params at a time: evaluation must fit where training does.
+        return GatherOnUse(self).apply({"params": state.params, "batch_stats": state.batch_stats}, images,
+                                       train=False)
 
 
 class GatherOnUse:
