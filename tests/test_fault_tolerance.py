@@ -133,8 +133,8 @@ def _largest_file(root):
 
 @pytest.mark.parametrize("strategy", ["zero3" if "zero3" in REGISTRY else "ddp"])
 def test_resume_on_half_the_devices_repartitions_the_rest_of_the_epoch(tmp_path, capsys, strategy):
-    """4 devices, checkpoint after 3 of 8 steps, resume on 2: the state reshards through the
-    canonical layout, and the remaining 5 steps deal samples 96.. of the epoch's order over
+    """4 devices, checkpoint after 3 of 8 steps, resume on 2: the sharded checkpoint
+    restores onto 2, and the remaining 5 steps deal samples 96.. of the epoch's order over
     2 devices, so the epoch's 256 samples are each fed once."""
     cfg = TrainConfig(out=str(tmp_path), strategy=strategy, devices=4, synthetic_size=(256, 32), **TINY)
     train(cfg, stop_after_steps=3)
