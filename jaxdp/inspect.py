@@ -8,23 +8,25 @@ most of it compiling the step; ``--no-compile`` skips that part):
    params of p bytes (4 for f32) and K optimizer bytes per param (SGD momentum
    K = p, Adam K = 2p, plain SGD 0):
 
-   ========  ======  ======  ======
-   strategy  params  grads   opt
-   ========  ======  ======  ======
-   ddp       pΨ      pΨ      KΨ
+   ========  ======  ======  ======  ==========================
+   strategy  params  grads   opt     extra
+   ========  ======  ======  ======  ==========================
+   ddp, dp   pΨ      pΨ      KΨ      powersgd: pΨ error + p·ΣQ
+   async     pΨ      pΨ      KΨ      k·pΨ (the last k params)
    zero1     pΨ      pΨ      KΨ/N
    zero2     pΨ      pΨ/N    KΨ/N
    zero3     pΨ/N    pΨ/N    KΨ/N
-   hsdp      pΨ/S    pΨ/S    KΨ/S     (S devices per shard group)
-   ========  ======  ======  ======
+   hsdp      pΨ/S    pΨ/S    KΨ/S    (S devices per shard group)
+   ========  ======  ======  ======  ==========================
 
-   - params and optimizer state: the live arrays, ``addressable_shards[0].data.nbytes``
+   - params, optimizer state and ``extra`` (async's history, PowerSGD's error
+     feedback and Qs): the live arrays, ``addressable_shards[0].data.nbytes``
      summed over leaves (device 0's share);
    - grads: the averaged gradient each device keeps for the update (ZeRO-1's
-     is DDP's full all-reduce result, ZeRO-2/3's only the device's chunk). It
-     lives only inside the step, so there is no array to measure: we trace the
-     strategy's ``averaged_grads`` inside ``shard_map`` (``jax.eval_shape``, no
-     compile) and sum the per-device shapes it produces.
+     is DDP's full all-reduce result, ZeRO-2/3's only the device's chunk; dp's
+     the local gradient device 0 sums into). It lives only inside the step, so
+     there is no array to measure: we *trace* the strategy's gradient code
+     (``jax.eval_shape``, no compile) and sum the per-device shapes it produces;
    - padding: sharded tensors are flat and padded to a multiple of the shard
      count (``strategies/flat.py``), so a sharded part holds ``Ψ_pad/N`` with
      ``Ψ_pad = Σ ceil(size/N)·N`` (at most N-1 extra per tensor). The
@@ -38,20 +40,36 @@ most of it compiling the step; ``--no-compile`` skips that part):
    all-reduce, all-gather, reduce-scatter, collective-permute and all-to-all,
    including tuple (combined) ops, async ``-start`` forms and ops inside
    called computations, each counted as often as its computation runs (a
-   ``while`` body times its known trip count). Traffic is in ring terms, bytes
-   each device sends: all-reduce of S bytes 2(G-1)/G·S; all-gather or
-   reduce-scatter of a full S (G-1)/G·S; collective-permute S; G = group size.
-   Formulas (pΨ bytes): ddp 2, zero2 2, zero1 3 (all-reduce + all-gather, as
-   torch's ZeroRedundancyOptimizer), zero3 3 (forward gather, backward
-   re-gather, reduce-scatter), all times (N-1)/N; hsdp 3(S-1)/S +
-   2(R-1)/R·1/S. The measured total also holds the small BN-buffer broadcast
-   and metric reductions every strategy does.
+   ``while`` body times its known trip count). Per op and device: *input*
+   bytes (what the device contributes: all-gather its chunk, reduce-scatter
+   the full buffer) and *output* bytes (what it holds after: all-gather the
+   full buffer, reduce-scatter its chunk), the replica groups, and the traffic
+   in ring terms, bytes each device sends: all-reduce of S bytes 2(G-1)/G·S;
+   all-gather or reduce-scatter of a full S (G-1)/G·S; collective-permute S
+   (its buffer: for dp's gather to device 0, what device 0 receives per op);
+   G = group size. The two branches of a ``conditional`` are alternatives:
+   the total counts the larger, and each branch is listed (PowerSGD's step
+   holds the plain average, run before ``start_iter``, and the compressed one).
+
+   Formulas, in pΨ bytes (c = bytes per communicated value: p, or 2 with
+   ``--compress bf16|fp16``): ddp and async 2(N-1)/N (·c/p), also with
+   ``--allreduce ring`` (2(N-1) ppermutes of a 1/N chunk per bucket); zero2
+   2(N-1)/N; zero1 3(N-1)/N (all-reduce + all-gather, as torch's
+   ZeroRedundancyOptimizer); zero3 3(N-1)/N (forward gather, backward
+   re-gather, reduce-scatter); hsdp 3(S-1)/S + 2(R-1)/R·1/S; dp
+   (N-1) + ceil(log2 N) (a gather to device 0 by N-1 permutes, a binomial
+   broadcast tree); powersgd, compressed branch: 2(N-1)/N over the
+   uncompressed tensors plus (rows + cols)·r per compressed one. The measured
+   total also holds the small BN-buffer broadcast and metric reductions every
+   strategy does.
 
 ``inspect_strategy(...)`` returns all of it as a dict (``--json`` prints that).
 """
 
 import json
+import math
 import re
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -59,14 +77,21 @@ import numpy as np
 # Which parts of the model state each strategy shards (over all N devices, or S for hsdp).
 SHARDED = {
     "ddp": (),
+    "dp": (),
+    "async": (),
     "zero1": ("opt",),
     "zero2": ("grads", "opt"),
     "zero3": ("params", "grads", "opt"),
     "hsdp": ("params", "grads", "opt"),
 }
 # Ring traffic per step in units of (param bytes) x (G-1)/G for the shard group G.
-TRAFFIC = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3, "hsdp": 3}
+TRAFFIC = {"ddp": 2, "async": 2, "zero1": 3, "zero2": 2, "zero3": 3, "hsdp": 3}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+COMPRESSED_BYTES = {"bf16": 2, "fp16": 2}  # bytes per value on the wire with DDP's low-precision hooks
+
+
+class InspectError(ValueError):
+    """Options that cannot be inspected (one line on the command line)."""
 
 
 # ----------------------------------------------------------------------------- model-state bytes
@@ -96,23 +121,28 @@ def device_bytes(tree) -> int:
     return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
-def state_bytes(state) -> dict:
-    """Measured per-device bytes of params and optimizer state (split: per-param leaves, scalars)."""
+def state_bytes(state, strategy, params) -> dict:
+    """Measured per-device bytes of params, optimizer state (split: per-param leaves, scalar
+    counts) and ``extra``. Which optimizer leaves are scalars is read from DDP's layout
+    (``tx.init(params)``): dp's leaves all carry a leading device axis."""
     import jax
 
     opt = jax.tree_util.tree_leaves(state.opt_state)
+    scalar = [x.ndim == 0 for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params))]
     return {
         "params": device_bytes(state.params),
-        "opt": device_bytes([x for x in opt if x.ndim]),
-        "opt_scalars": device_bytes([x for x in opt if not x.ndim]),
+        "opt": device_bytes([x for x, s in zip(opt, scalar) if not s]),
+        "opt_scalars": device_bytes([x for x, s in zip(opt, scalar) if s]),
+        "extra": device_bytes(state.extra) if state.extra is not None else 0,
     }
 
 
 def kept_grad_bytes(strategy, state, images, labels) -> Optional[int]:
     """Per-device bytes of the averaged gradient the strategy keeps (traced, not run).
 
-    ZeRO strategies expose ``averaged_grads``; DDP's is its ``all_reduce`` of the
-    local gradient. Other strategies: None.
+    ZeRO strategies expose ``averaged_grads``; DDP's (and async's) is its
+    ``all_reduce`` of the local gradient; dp's the local gradient (pmap). Other
+    strategies: None.
     """
     import jax
     import jax.numpy as jnp
@@ -120,46 +150,91 @@ def kept_grad_bytes(strategy, state, images, labels) -> Optional[int]:
 
     from jaxdp.strategies.base import local_grads
 
+    def grads_of(state, x, y):
+        if hasattr(strategy, "averaged_grads"):
+            return strategy.averaged_grads(state, x, y)[1]
+        params = state.params
+        if strategy.name != "dp":  # pmap hands each device its own params already
+            params = jax.lax.pcast(params, strategy.axis, to="varying")
+        grads = local_grads(strategy.model, params, state.batch_stats, x, y, strategy.accum_steps)[1]
+        return strategy.all_reduce(grads, state.extra, state.step)[0] if hasattr(strategy, "all_reduce") else grads
+
+    def nbytes(tree):
+        return sum(g.size * g.dtype.itemsize for g in jax.tree_util.tree_leaves(tree))
+
+    if hasattr(strategy, "learn_parameter_order"):
+        strategy.learn_parameter_order(images)  # bucketed strategies read it at the first step
+    if strategy.name == "dp":
+        shapes = jax.eval_shape(jax.pmap(grads_of, axis_name=strategy.axis, devices=strategy.devices),
+                                state, images, labels)
+        return int(nbytes(shapes) // strategy.num_devices)  # pmap's leading device axis
     seen = []
 
     def probe(state, x, y):
-        if hasattr(strategy, "averaged_grads"):
-            grads = strategy.averaged_grads(state, x, y)[1]
-        else:
-            params = jax.lax.pcast(state.params, strategy.axis, to="varying")
-            grads = local_grads(strategy.model, params, state.batch_stats, x, y, strategy.accum_steps)[1]
-            grads = strategy.all_reduce(grads)
-            grads = grads[0] if isinstance(grads, tuple) else grads
-        seen.append(sum(g.size * g.dtype.itemsize for g in jax.tree_util.tree_leaves(grads)))
+        seen.append(nbytes(grads_of(state, x, y)))
         return jnp.zeros(())
 
-    if not (hasattr(strategy, "averaged_grads") or hasattr(strategy, "all_reduce")):
-        return None
     batch = P(strategy.batch_axes)
     jax.eval_shape(jax.shard_map(probe, mesh=strategy.mesh, in_specs=(strategy.state_specs(state), batch, batch),
                                  out_specs=P()), state, images, labels)
     return int(seen[0])
 
 
-def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int) -> dict:
+def extra_formula(strategy, params, p: int) -> int:
+    """Bytes of ``extra`` per device: async's k params copies; PowerSGD's error (pΨ) and Qs (cols·r each)."""
+    import jax
+
+    from jaxdp.compression import leaf_name, matrix_shape
+
+    psi = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    powersgd = getattr(strategy, "powersgd", None)
+    if powersgd is not None:
+        shapes = {leaf_name(path): x.shape for path, x in jax.tree_util.tree_leaves_with_path(params)}
+        q = sum(matrix_shape(shapes[name])[1] * r for name, r in powersgd.plan(params).items())
+        return p * (psi * powersgd.use_error_feedback + q * powersgd.warm_start)
+    return p * psi * getattr(strategy, "staleness", 0)
+
+
+def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int, extra: int = 0) -> dict:
     """The ZeRO table: exact (Ψ/N) and with this layout's padding (Ψ_pad/N)."""
     sharded = SHARDED.get(name, ())
     per_param = {"params": p, "grads": p, "opt": k}
     exact = {part: b * psi / shards if part in sharded else b * psi for part, b in per_param.items()}
     padded = {part: b * psi_pad // shards if part in sharded else b * psi for part, b in per_param.items()}
-    return {"exact": exact, "padded": padded}
+    return {"exact": {**exact, "extra": extra}, "padded": {**padded, "extra": extra}}
 
 
-def traffic_formula(name: str, psi: int, psi_pad: int, n: int, p: int, mesh_shape=None) -> Optional[float]:
-    """Ring bytes each device sends per step (see the module docstring)."""
+def traffic_formula(name: str, psi: int, psi_pad: int, n: int, p: int, mesh_shape=None,
+                    wire_bytes: Optional[int] = None) -> Optional[float]:
+    """Ring bytes each device sends per step (see the module docstring). ``wire_bytes``:
+    bytes per communicated gradient value when DDP compresses them (default p)."""
     if name == "hsdp":
         r, s = mesh_shape
         return 3 * (s - 1) / s * p * psi_pad + 2 * (r - 1) / r * p * psi_pad / s
+    if name == "dp":
+        return (n - 1 + math.ceil(math.log2(n))) * p * psi
     if name not in TRAFFIC or n == 1:
         return 0.0 if name in TRAFFIC else None
     if name == "zero1":  # all-reduce of the gradient, all-gather of the padded chunks
         return (n - 1) / n * p * (2 * psi + psi_pad)
-    return TRAFFIC[name] * (n - 1) / n * p * (psi if name == "ddp" else psi_pad)
+    if name in ("ddp", "async"):
+        return 2 * (n - 1) / n * (wire_bytes or p) * psi
+    return TRAFFIC[name] * (n - 1) / n * p * psi_pad
+
+
+def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
+    """The compressed step's ring bytes: the uncompressed tensors all-reduced whole, each
+    compressed one as its P (rows·r) and Q (cols·r)."""
+    import jax
+
+    from jaxdp.compression import leaf_name, matrix_shape
+
+    plan = strategy.powersgd.plan(params)
+    values = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        name = leaf_name(path)
+        values += sum(matrix_shape(x.shape)) * plan[name] if name in plan else x.size
+    return 2 * (n - 1) / n * p * values
 
 
 # ----------------------------------------------------------------------------- HLO collectives
@@ -168,7 +243,8 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn|fnuz)?)?)\[([0-9,]*)\]")
 _OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")  # "%name (params) -> shape {"
+# "%name (params) -> shape {" (optimized HLO) or "name {" (before XLA's passes), at column 0
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -187,14 +263,24 @@ def _shapes_bytes(text: str) -> float:
     return total
 
 
-def _group_size(line: str, num_devices: int) -> int:
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)  # iota form: [groups, size]<=[...]
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def replica_groups(line: str, num_devices: int):
+    """The op's device groups: explicit ``{{0,4},{1,5}}``, iota ``[G,S]<=[dims]T(perm)``
+    (iota over dims, transposed by perm, cut into G groups of S), or every device (``{}``/absent)."""
+    m = _IOTA_GROUPS.search(line)
     if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=\{\{([^}]*)\}", line)  # explicit: {{0,1,2,3},{4,5,6,7}}
-    if m:
-        return len(m.group(1).split(","))
-    return num_devices  # {} or absent: every device
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = _LIST_GROUPS.search(line)
+    if m and m.group(1):
+        return [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return [list(range(num_devices))]
 
 
 def _result_text(line: str, op_start: int) -> str:
@@ -228,41 +314,87 @@ def _async_output(kind: str, result: str) -> str:
     return result
 
 
-def parse_collectives(hlo_text: str, num_devices: int) -> dict:
-    """Count collectives in optimized HLO text; bytes per device, in ring terms (see module docstring).
-
-    Returns ``{"ops": {kind: {"count", "operand_bytes", "result_bytes", "ring_bytes"}},
-    "ring_bytes": total, "unknown_trip_counts": n}``.
-    """
+def _split_computations(hlo_text: str):
+    """({name: {"lines", "entry"}}, names in text order)."""
     computations, current, order = {}, None, []
     for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line.strip())
+        m = None if line[:1].isspace() else _COMPUTATION.match(line.rstrip())
         if m:
             current = m.group(1)
             computations[current] = {"lines": [], "entry": line.lstrip().startswith("ENTRY")}
             order.append(current)
         elif current is not None:
             computations[current]["lines"].append(line)
+    return computations, order
 
-    # How many times each computation runs: callers first (HLO text lists callees before callers).
+
+def _branches(line: str):
+    """The branch computations of a ``conditional`` line, in branch order (true, false for a predicate)."""
+    names = [c.strip().lstrip("%") for group in _BRANCHES.findall(line) for c in group.split(",")]
+    for key in ("true_computation", "false_computation"):
+        m = re.search(key + r"=%?([\w.\-]+)", line)
+        if m:
+            names.append(m.group(1))
+    return names
+
+
+def _call_graph(computations, order):
+    """How often each computation runs per step, and which conditional branch (if any) it is in.
+
+    Returns (runs, branch_of {computation: (conditional id, branch index)}, branch counts
+    {conditional id: branches}, while loops of unknown trip count). HLO text lists callees
+    before callers, so callers are walked first; a computation inside a branch inherits it.
+    """
     runs = {name: (1 if c["entry"] else 0) for name, c in computations.items()}
-    unknown = 0
+    branch_of, branch_counts, unknown = {}, {}, 0
     for name in reversed(order):
-        for line in computations[name]["lines"]:
-            callees = _CALLS.findall(line)
-            for group in _BRANCHES.findall(line):
-                callees += [c.strip().lstrip("%") for c in group.split(",")]
+        for index, line in enumerate(computations[name]["lines"]):
+            branches = _branches(line)
+            callees = [c for c in _CALLS.findall(line) if c not in branches] + branches
             trip = 1
             if " while(" in line:
                 m = _TRIP.search(line)
                 trip = int(m.group(1)) if m else 1
                 unknown += m is None
+            if branches:
+                branch_counts[(name, index)] = len(branches)
             for callee in callees:
-                if callee in runs:
-                    is_body = re.search(r"\bbody=%?" + re.escape(callee) + r"\b", line) is not None
-                    runs[callee] += runs[name] * (trip if is_body else 1)
+                if callee not in runs:
+                    continue
+                is_body = re.search(r"\bbody=%?" + re.escape(callee) + r"\b", line) is not None
+                runs[callee] += runs[name] * (trip if is_body else 1)
+                tag = branch_of.get(name)  # nested conditionals count as their outermost branch
+                if tag is None and callee in branches:
+                    tag = ((name, index), branches.index(callee))
+                if tag is not None:
+                    branch_of.setdefault(callee, tag)
+    return runs, branch_of, branch_counts, unknown
 
-    ops = {kind: {"count": 0, "operand_bytes": 0.0, "result_bytes": 0.0, "ring_bytes": 0.0} for kind in COLLECTIVES}
+
+def _op_bytes(kind: str, out: float, g: int):
+    """(input bytes, ring bytes sent) per device for an op whose per-device output is ``out`` bytes."""
+    return {
+        "all-reduce": (out, 2 * (g - 1) / g * out),
+        "all-gather": (out / g, (g - 1) / g * out),
+        "reduce-scatter": (out * g, (g - 1) * out),
+        "collective-permute": (out, out),
+        "all-to-all": (out, (g - 1) / g * out),
+    }[kind]
+
+
+def parse_collectives(hlo_text: str, num_devices: int) -> dict:
+    """Count collectives in optimized HLO text; bytes per device, in ring terms (see module docstring).
+
+    Returns ``{"ops": {kind: {"count", "input_bytes", "output_bytes", "ring_bytes", "by_groups"}},
+    "ring_bytes": total, "conditionals": [ring bytes per branch, ...], "unknown_trip_counts": n}``.
+    ``ops`` counts every op, in every branch; ``ring_bytes`` counts the larger branch of each
+    conditional. ``by_groups``: per distinct replica-group layout (None for collective-permute).
+    """
+    computations, order = _split_computations(hlo_text)
+    runs, branch_of, branch_counts, unknown = _call_graph(computations, order)
+    ops = {kind: {"count": 0, "input_bytes": 0.0, "output_bytes": 0.0, "ring_bytes": 0.0, "by_groups": []}
+           for kind in COLLECTIVES}
+    unconditional, branch_ring = 0.0, {cid: [0.0] * n for cid, n in branch_counts.items()}
     for name, c in computations.items():
         for line in c["lines"]:
             m = _OP.search(line)
@@ -273,21 +405,36 @@ def parse_collectives(hlo_text: str, num_devices: int) -> dict:
             if is_start:
                 result = _async_output(kind, result)
             out = _shapes_bytes(result)
-            g = max(_group_size(line, num_devices), 1)
-            operand, ring = {
-                "all-reduce": (out, 2 * (g - 1) / g * out),
-                "all-gather": (out / g, (g - 1) / g * out),
-                "reduce-scatter": (out * g, (g - 1) * out),
-                "collective-permute": (out, out),
-                "all-to-all": (out, (g - 1) / g * out),
-            }[kind]
+            groups = None if kind == "collective-permute" else replica_groups(line, num_devices)
+            g = max(len(groups[0]) if groups else num_devices, 1)
+            inp, ring = _op_bytes(kind, out, g)
             k = runs.get(name, 1) or 1
             entry = ops[kind]
             entry["count"] += k
-            entry["operand_bytes"] += k * operand
-            entry["result_bytes"] += k * out
+            entry["input_bytes"] += k * inp
+            entry["output_bytes"] += k * out
             entry["ring_bytes"] += k * ring
-    return {"ops": ops, "ring_bytes": sum(o["ring_bytes"] for o in ops.values()), "unknown_trip_counts": unknown}
+            _add_to_groups(entry["by_groups"], groups, k, out, ring)
+            if name in branch_of:
+                cid, branch = branch_of[name]
+                branch_ring[cid][branch] += k * ring
+            else:
+                unconditional += k * ring
+    conditionals = [b for b in branch_ring.values() if any(b)]
+    return {"ops": ops, "ring_bytes": unconditional + sum(max(b) for b in conditionals),
+            "conditionals": conditionals, "unknown_trip_counts": unknown}
+
+
+def _add_to_groups(by_groups: list, groups, k: int, out: float, ring: float) -> None:
+    for entry in by_groups:
+        if entry["groups"] == groups:
+            break
+    else:
+        entry = {"groups": groups, "count": 0, "output_bytes": 0.0, "ring_bytes": 0.0}
+        by_groups.append(entry)
+    entry["count"] += k
+    entry["output_bytes"] += k * out
+    entry["ring_bytes"] += k * ring
 
 
 def compiled_memory(compiled) -> dict:
@@ -302,9 +449,10 @@ def compiled_memory(compiled) -> dict:
 def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int = 64,
                      blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
                      dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
-                     mesh_shape=None, compile: bool = True, seed: int = 0) -> dict:
+                     mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0) -> dict:
     """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
-    starts) for a freshly initialised model, and ``measure`` it."""
+    starts) for a freshly initialised model, and ``measure`` it. ``options``: the strategy's
+    own (``allreduce``, ``compress``, ``powersgd_rank``, ``staleness``)."""
     import jax
 
     from jaxdp.mesh import make_mesh
@@ -313,12 +461,15 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     from jaxdp.strategies import create_strategy
     from jaxdp.train import init_variables
 
+    if batch_per_device < 1 or image_size < 1:
+        raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
     if dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
+    check_batchnorm_has_values(net, batch_per_device, image_size)
     lr = 0.1 if optimizer == "sgd" else 1e-3
     tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
-    options = {"mesh_shape": mesh_shape} if name == "hsdp" else {}
+    options = dict(options or {}, **({"mesh_shape": mesh_shape} if name == "hsdp" else {}))
     strategy = create_strategy(name, net, tx, make_mesh(n), **options)
     variables = init_variables(strategy.model, seed, (image_size, image_size, 3))
     rng = np.random.default_rng(seed)
@@ -326,8 +477,33 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     images = rng.normal(size=(global_batch, image_size, image_size, 3))
     labels = rng.integers(0, net.num_classes, global_batch).astype(np.int32)
     report = measure(strategy, variables, images, labels, compile=compile)
-    report.update(model=model, width=width, blocks=list(net.stage_sizes), dtype=dtype, optimizer=optimizer)
+    report.update(model=model, width=width, blocks=list(net.stage_sizes), dtype=dtype, optimizer=optimizer,
+                  options={k: v for k, v in options.items() if v is not None})
     return report
+
+
+def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> None:
+    """InspectError if some BatchNorm would see 1 value per channel on a device: the unbiased
+    running variance divides by count - 1. Found by tracing the model (no compute)."""
+    import jax
+
+    from jaxdp.models.batchnorm import BatchNorm
+
+    def forward(x):
+        variables = net.init(jax.random.key(0), x, train=False)
+        _, state = net.apply(variables, x, train=False,
+                             capture_intermediates=lambda module, _: isinstance(module, BatchNorm))
+        return state["intermediates"]
+
+    x = jax.ShapeDtypeStruct((batch_per_device, image_size, image_size, 3), net.dtype)
+    outputs = jax.tree_util.tree_leaves(jax.eval_shape(forward, x))
+    smallest = min((o.shape for o in outputs), key=lambda shape: int(np.prod(shape[:-1])), default=None)
+    if smallest is not None and np.prod(smallest[:-1]) < 2:
+        h, w = smallest[1:3]
+        raise InspectError(
+            f"--image-size {image_size} with --batch-per-device {batch_per_device} leaves a BatchNorm "
+            f"{batch_per_device} image(s) of {h}x{w} = 1 value per channel (its running variance divides "
+            f"by count - 1); use --batch-per-device 2 or a larger --image-size")
 
 
 def measure(strategy, variables, images, labels, *, compile: bool = True) -> dict:
@@ -346,22 +522,36 @@ def measure(strategy, variables, images, labels, *, compile: bool = True) -> dic
     k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
     images, labels = strategy.shard_batch(np.asarray(images, leaves[0].dtype), np.asarray(labels, np.int32))
 
-    measured = state_bytes(state)
+    measured = state_bytes(state, strategy, params)
     measured["grads"] = kept_grad_bytes(strategy, state, images, labels)
-    formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k)
+    formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
     mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.devices.ndim == 2 else None
     report = {
         "strategy": strategy.name, "devices": strategy.num_devices, "mesh_shape": mesh_shape, "shards": shards,
         "psi": psi, "psi_padded": psi_pad, "param_bytes": p, "opt_bytes_per_param": k,
-        "batch_per_device": images.shape[0] // strategy.num_devices, "image_size": images.shape[1],
+        # dp's batch carries a leading device axis: count images, not rows.
+        "batch_per_device": int(np.prod(images.shape[:-3])) // strategy.num_devices, "image_size": images.shape[-2],
         "state": {"measured": measured, "formula": formula["exact"], "formula_padded": formula["padded"]},
-        "traffic_formula_bytes": traffic_formula(strategy.name, psi, psi_pad, strategy.num_devices, p, mesh_shape),
+        "traffic_formula_bytes": strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape),
     }
     if compile:
-        compiled = strategy.lower_step(state, images, labels).compile()
+        lowered = strategy.lower_step(state, images, labels)
+        compiled = lowered.compile()
         report["memory"] = compiled_memory(compiled)
         report["collectives"] = parse_collectives(compiled.as_text(), strategy.num_devices)
+        # The program as written, before XLA's passes: XLA:CPU promotes a bf16/f16 all-reduce to f32.
+        written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), strategy.num_devices)
+        report["ring_bytes_as_written"] = written["ring_bytes"]
     return report
+
+
+def strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape) -> Optional[float]:
+    """``traffic_formula`` with the strategy's DDP options (compression) taken into account."""
+    n = strategy.num_devices
+    if getattr(strategy, "powersgd", None) is not None:
+        return powersgd_traffic_formula(strategy, params, n, p) if n > 1 else 0.0
+    wire = COMPRESSED_BYTES.get(getattr(strategy, "compress", None))
+    return traffic_formula(strategy.name, psi, psi_pad, n, p, mesh_shape, wire_bytes=wire)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -370,56 +560,106 @@ def _mb(x) -> str:
     return "n/a" if x is None else f"{round(x):,}"
 
 
+def _formula_name(r: dict) -> str:
+    options = r.get("options", {})
+    if r["strategy"] == "hsdp":
+        return "3Ψp(S-1)/S + 2(Ψp/S)(R-1)/R"
+    if r["strategy"] == "dp":
+        return "(N-1 + ceil(log2 N))Ψp: gather to device 0, broadcast tree"
+    if options.get("compress") == "powersgd":
+        return "compressed step: 2(N-1)/N·p·(uncompressed + Σ(rows+cols)·r)"
+    if options.get("compress") in COMPRESSED_BYTES:
+        return f"2Ψ·{COMPRESSED_BYTES[options['compress']]}B(N-1)/N, {options['compress']} on the wire"
+    return f"{TRAFFIC[r['strategy']]}Ψp(N-1)/N" if r["strategy"] in TRAFFIC else "unknown"
+
+
 def format_report(r: dict) -> str:
     mesh = f" (mesh {r['mesh_shape'][0]}x{r['mesh_shape'][1]})" if r.get("mesh_shape") else ""
     what = (f": {r['model']} width {r['width']} blocks {','.join(map(str, r['blocks']))}, {r['dtype']}, "
             f"{r['optimizer']}" if "model" in r else "")
+    options = "".join(f", {k} {v}" for k, v in r.get("options", {}).items() if k != "mesh_shape")
     lines = [
-        f"{r['strategy']} on {r['devices']} devices{mesh}{what} "
+        f"{r['strategy']} on {r['devices']} devices{mesh}{what}{options} "
         f"(p = {r['param_bytes']} B, K = {r['opt_bytes_per_param']} B per param)",
         f"Ψ = {r['psi']:,} params; padded for {r['shards']} shards: {r['psi_padded']:,} "
         f"(+{r['psi_padded'] - r['psi']:,})",
         "",
-        f"{'bytes per device':<22}{'measured':>16}{'formula':>16}{'+padding':>16}{'meas/formula':>14}",
+        f"{'bytes per device':<22}{'measured':>16}{'formula':>16}{'formula (padded)':>18}{'meas/formula':>14}",
     ]
     s = r["state"]
-    for part, label in (("params", "params"), ("grads", "grads (kept)"), ("opt", "optimizer state")):
+    parts = [("params", "params"), ("grads", "grads (kept) *"), ("opt", "optimizer state")]
+    if s["measured"]["extra"] or s["formula"]["extra"]:
+        parts.append(("extra", "extra state"))
+    for part, label in parts:
         m, f, fp = s["measured"][part], s["formula"][part], s["formula_padded"][part]
         ratio = f"{m / f:.4f}" if m is not None and f else "-"
-        lines.append(f"{label:<22}{_mb(m):>16}{_mb(f):>16}{_mb(fp):>16}{ratio:>14}")
+        lines.append(f"{label:<22}{_mb(m):>16}{_mb(f):>16}{_mb(fp):>18}{ratio:>14}")
     scalars = s["measured"]["opt_scalars"]
     lines.append(f"{'':<22}(+ {scalars} B of optimizer step counts, replicated)")
+    lines.append("* grads live only inside the step: traced per-device shapes, not live arrays")
     if "memory" in r:
         m = r["memory"]
         lines += ["", "compiled step, bytes per device: " + ", ".join(
             f"{k} {_mb(v)}" for k, v in m.items() if k != "generated_code")
             + f"; argument+temp {_mb(m['argument'] + m['temp'])}"]
     if "collectives" in r:
-        c = r["collectives"]
-        lines += ["", f"{'collectives / step':<22}{'count':>8}{'operand bytes':>18}{'ring bytes / device':>22}"]
-        for kind, o in c["ops"].items():
-            if o["count"]:
-                lines.append(f"{kind:<22}{o['count']:>8}{o['operand_bytes']:>18,.0f}{o['ring_bytes']:>22,.0f}")
-        f = r["traffic_formula_bytes"]
-        ratio = f" ({c['ring_bytes'] / f:.4f} of formula)" if f else ""
-        lines.append(f"{'total':<22}{'':>8}{'':>18}{c['ring_bytes']:>22,.0f}")
-        what = ("3Ψp(S-1)/S + 2(Ψp/S)(R-1)/R" if r["strategy"] == "hsdp"
-                else f"{TRAFFIC[r['strategy']]}Ψp(N-1)/N" if r["strategy"] in TRAFFIC else "unknown")
-        lines.append(f"formula ({what}, ring terms): {'n/a' if f is None else f'{round(f):,} bytes'}{ratio}")
-        if c["unknown_trip_counts"]:
-            lines.append(f"note: {c['unknown_trip_counts']} while loop(s) of unknown trip count counted once")
+        lines += [""] + _format_collectives(r)
     return "\n".join(lines)
 
 
+def _format_collectives(r: dict) -> list:
+    c = r["collectives"]
+    lines = [f"{'collectives / step':<20}{'count':>7}{'input B / device':>18}{'output B / device':>19}"
+             f"{'ring B / device':>18}  groups"]
+    for kind, o in c["ops"].items():
+        if o["count"]:
+            sizes = sorted({len(g["groups"][0]) for g in o["by_groups"] if g["groups"]})
+            groups = f"of {','.join(map(str, sizes))}" if sizes else "pairs"
+            lines.append(f"{kind:<20}{o['count']:>7}{o['input_bytes']:>18,.0f}{o['output_bytes']:>19,.0f}"
+                         f"{o['ring_bytes']:>18,.0f}  {groups}")
+    for i, branches in enumerate(c.get("conditionals", [])):
+        lines.append(f"conditional {i}: ring bytes per branch " + " / ".join(f"{b:,.0f}" for b in branches)
+                     + " (the total counts the larger)")
+    f = r["traffic_formula_bytes"]
+    steady = _steady_ring_bytes(r)
+    ratio = f" ({steady / f:.4f} of formula)" if f else ""
+    lines.append(f"{'total':<20}{'':>7}{'':>18}{'':>19}{c['ring_bytes']:>18,.0f}")
+    if steady != c["ring_bytes"]:
+        lines.append(f"{'compressed step':<20}{'':>7}{'':>18}{'':>19}{steady:>18,.0f}  (the smaller branch)")
+    lines.append(f"formula ({_formula_name(r)}, ring terms): {'n/a' if f is None else f'{round(f):,} bytes'}{ratio}")
+    written = r.get("ring_bytes_as_written")
+    if written and abs(written / c["ring_bytes"] - 1) > 0.01:
+        of = f" ({written / f:.4f} of formula)" if f else ""
+        lines.append(f"as written (HLO before XLA's passes): {written:,.0f} bytes{of}; the compiled program differs")
+    if c["unknown_trip_counts"]:
+        lines.append(f"note: {c['unknown_trip_counts']} while loop(s) of unknown trip count counted once")
+    return lines
+
+
+def _steady_ring_bytes(r: dict) -> float:
+    """Ring bytes of the step that runs in steady state: PowerSGD's compressed branch (the smaller)."""
+    c = r["collectives"]
+    if r.get("options", {}).get("compress") != "powersgd":
+        return c["ring_bytes"]
+    return c["ring_bytes"] - sum(max(b) - min(b) for b in c.get("conditionals", []))
+
+
+def _ints(text: str):
+    return tuple(int(x) for x in text.split(","))
+
+
 def add_inspect_args(p) -> None:
-    p.add_argument("--strategy", default="zero3", help="ddp | zero1 | zero2 | zero3 | hsdp")
+    p.add_argument("--strategy", default="zero3", help="ddp | zero1 | zero2 | zero3 | hsdp | dp | async")
     p.add_argument("--devices", type=int, default=8, help="devices (simulated on CPU)")
-    p.add_argument("--mesh-shape", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
-                   help="hsdp: replicas,shards")
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--blocks", type=lambda t: tuple(int(x) for x in t.split(",")), default=None)
-    p.add_argument("--stem", default="cifar")
+    p.add_argument("--mesh-shape", type=_ints, default=None, help="hsdp: replicas,shards")
+    p.add_argument("--allreduce", default=None, help="ddp/async: psum | ring")
+    p.add_argument("--compress", default=None, help="ddp: bf16 | fp16 | powersgd")
+    p.add_argument("--powersgd-rank", type=int, default=None, help="ddp --compress powersgd: matrix rank r")
+    p.add_argument("--staleness", type=int, default=None, help="async: staleness bound k")
+    p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50")
+    p.add_argument("--width", type=int, default=64, help="channels of the first stage (64 = torchvision)")
+    p.add_argument("--blocks", type=_ints, default=None, help="blocks per stage, e.g. 1,1,1,1 (default: the model's)")
+    p.add_argument("--stem", default="cifar", help="cifar | imagenet")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) | adam | adamw")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch-per-device", type=int, default=1)
@@ -430,10 +670,16 @@ def add_inspect_args(p) -> None:
 
 
 def run(args) -> int:
-    report = inspect_strategy(
-        args.strategy, args.devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
-        optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
-        image_size=args.image_size, mesh_shape=args.mesh_shape, compile=args.compile,
-    )
+    options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness")
+               if getattr(args, k) is not None}
+    try:
+        report = inspect_strategy(
+            args.strategy, args.devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
+            optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
+            image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
+        )
+    except InspectError as e:
+        print(f"jaxdp: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

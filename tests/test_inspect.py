@@ -6,11 +6,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import json  # noqa: E402
 
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxdp.cli import main  # noqa: E402
-from jaxdp.inspect import formula_bytes, inspect_strategy, measure, param_count, parse_collectives  # noqa: E402
+from jaxdp.inspect import (formula_bytes, inspect_strategy, measure, param_count, parse_collectives,  # noqa: E402
+                           replica_groups)
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
@@ -66,11 +69,11 @@ def test_zero3_collectives_and_traffic(compiled_reports):
     ops = z3["collectives"]["ops"]
     assert ops["all-gather"]["count"] > 0 and ops["reduce-scatter"]["count"] > 0
     # No gradient all-reduce: what remains is the BN-buffer broadcast and the metrics.
-    assert ops["all-reduce"]["result_bytes"] < 0.01 * pbytes
-    assert ddp["collectives"]["ops"]["all-reduce"]["result_bytes"] >= pbytes
+    assert ops["all-reduce"]["output_bytes"] < 0.01 * pbytes
+    assert ddp["collectives"]["ops"]["all-reduce"]["output_bytes"] >= pbytes
     # Forward gather + backward re-gather = 2Ψ gathered, Ψ reduce-scattered.
-    assert ops["all-gather"]["result_bytes"] == pytest.approx(2 * z3["psi_padded"] * 4, rel=1e-3)
-    assert ops["reduce-scatter"]["operand_bytes"] == pytest.approx(z3["psi_padded"] * 4, rel=1e-3)
+    assert ops["all-gather"]["output_bytes"] == pytest.approx(2 * z3["psi_padded"] * 4, rel=1e-3)
+    assert ops["reduce-scatter"]["input_bytes"] == pytest.approx(z3["psi_padded"] * 4, rel=1e-3)
     ratio = z3["collectives"]["ring_bytes"] / ddp["collectives"]["ring_bytes"]
     print(f"ring bytes per device: ddp {ddp['collectives']['ring_bytes']:,.0f}, "
           f"zero3 {z3['collectives']['ring_bytes']:,.0f}, ratio {ratio:.4f}")
@@ -88,6 +91,133 @@ def test_zero3_compiled_memory_saving(compiled_reports):
     print(f"argument+temp per device: ddp {used['ddp']:,} B, zero3 {used['zero3']:,} B; "
           f"saving {saving:,} B = {saving / theory:.3f} of the theory's {theory:,.0f} B")
     assert saving >= 0.9 * theory
+
+
+@pytest.fixture(scope="module")
+def hsdp_report():
+    """HSDP 2x4 on a one-block-per-stage ResNet-18 of width 32 (Ψ = 1.2M: params dominate BN buffers)."""
+    return inspect_strategy("hsdp", 8, model="resnet18", width=32, blocks=(1, 1, 1, 1), optimizer="sgd",
+                            image_size=16, batch_per_device=1, mesh_shape=(2, 4))
+
+
+def test_hsdp_reduces_across_replicas_and_gathers_within_groups(hsdp_report):
+    r = hsdp_report
+    ops = r["collectives"]["ops"]
+    replicas = [[0, 4], [1, 5], [2, 6], [3, 7]]  # mesh (R, S) = (2, 4): device r*4 + s; a replica group is one s
+    shard_groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    cross = [g for g in ops["all-reduce"]["by_groups"] if g["groups"] == replicas]
+    assert len(cross) == 1, ops["all-reduce"]["by_groups"]
+    # The gradient chunk each device owns, Ψ_pad/S params, is what crosses the replicas.
+    assert cross[0]["output_bytes"] == pytest.approx(r["psi_padded"] / 4 * r["param_bytes"], rel=1e-3)
+    others = [g for g in ops["all-reduce"]["by_groups"] if g["groups"] != replicas]
+    assert sum(g["output_bytes"] for g in others) < 0.01 * cross[0]["output_bytes"]  # BN buffers, metrics
+    for kind in ("all-gather", "reduce-scatter"):
+        assert ops[kind]["count"] > 0 and [g["groups"] for g in ops[kind]["by_groups"]] == [shard_groups], kind
+    assert r["collectives"]["ring_bytes"] == pytest.approx(r["traffic_formula_bytes"], rel=0.02)
+
+
+class WideMLP(nn.Module):
+    """No BatchNorm and 200k params in 4 tensors: traffic is the parameters', and it compiles in a second."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        return nn.Dense(10)(nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1))))
+
+
+@pytest.fixture(scope="module")
+def wide_mlp():
+    model = WideMLP()
+    rng = np.random.default_rng(0)
+    images, labels = rng.normal(size=(16, 16, 16, 3)).astype(np.float32), rng.integers(0, 10, 16)
+    return model, {"batch_stats": {}, **jax.jit(model.init)(jax.random.key(0), images[:1])}, images, labels
+
+
+@pytest.mark.parametrize("name,options", [
+    ("zero1", {"bucket_cap_mb": 0.25}), ("zero2", {"bucket_cap_mb": 0.25}), ("dp", {}), ("async", {"staleness": 2}),
+    ("ddp", {"allreduce": "ring"}), ("ddp", {"compress": "powersgd", "powersgd_rank": 2}),
+], ids=["zero1", "zero2", "dp", "async", "ring", "powersgd"])
+def test_measured_traffic_meets_the_formula(wide_mlp, name, options):
+    """Ring bytes per device from the compiled HLO within 2% of each strategy's formula (see jaxdp.inspect)."""
+    model, variables, images, labels = wide_mlp
+    r = measure(create_strategy(name, model, make_optimizer("adam", 1e-3), make_mesh(8), **options),
+                variables, images, labels)
+    measured = r["collectives"]["ring_bytes"]
+    if "compress" in options:  # the step holds both branches; the compressed one runs after start_iter
+        (branches,) = r["collectives"]["conditionals"]
+        measured -= max(branches) - min(branches)
+    print(f"{name} {options}: {measured:,.0f} B measured, {r['traffic_formula_bytes']:,.0f} B formula")
+    assert measured == pytest.approx(r["traffic_formula_bytes"], rel=0.02)
+    psi, p = r["psi"], r["param_bytes"]
+    extra = {"async": 2 * p * psi}.get(name, r["state"]["formula"]["extra"])  # async: the last k = 2 params
+    assert r["state"]["measured"]["extra"] == extra
+
+
+def test_bf16_compression_halves_the_traffic_as_written(wide_mlp):
+    """The program all-reduces bf16 (half of DDP's bytes); XLA:CPU's compiled program promotes it to f32."""
+    model, variables, images, labels = wide_mlp
+    tx = make_optimizer("sgd", 0.1)
+    ddp = measure(create_strategy("ddp", model, tx, make_mesh(8)), variables, images, labels)
+    bf16 = measure(create_strategy("ddp", model, tx, make_mesh(8), compress="bf16"), variables, images, labels)
+    assert bf16["traffic_formula_bytes"] == pytest.approx(ddp["traffic_formula_bytes"] / 2)
+    assert bf16["ring_bytes_as_written"] == pytest.approx(bf16["traffic_formula_bytes"], rel=0.02)
+    assert ddp["ring_bytes_as_written"] == pytest.approx(ddp["traffic_formula_bytes"], rel=0.02)
+
+
+def test_replica_group_forms():
+    assert replica_groups("all-reduce(x), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add", 8) == \
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # iota(8) as [2,4], transposed to [4,2], cut into 4 groups of 2: the columns of the 2x4 mesh.
+    assert replica_groups("all-reduce(x), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add", 8) == \
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert replica_groups("all-gather(x), replica_groups=[2,4]<=[8], dimensions={0}", 8) == \
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replica_groups("all-reduce(x), replica_groups={}, to_apply=%add", 4) == [[0, 1, 2, 3]]
+
+
+CONDITIONAL_HLO = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%small (p: f32[100]) -> f32[100] {
+  %p = f32[100]{0} parameter(0)
+  %q = f32[10]{0} slice(%p), slice={[0:10]}
+  %ar = f32[10]{0} all-reduce(%q), replica_groups={}, to_apply=%add
+  ROOT %r = f32[100]{0} pad(%ar, %z), padding=0_90
+}
+
+%large (p: f32[100]) -> f32[100] {
+  %p = f32[100]{0} parameter(0)
+  ROOT %ar = f32[100]{0} all-reduce(%p), replica_groups={}, to_apply=%add
+}
+
+ENTRY %main (i: s32[], x: f32[100]) -> f32[100] {
+  %i = s32[] parameter(0)
+  %x = f32[100]{0} parameter(1)
+  %m = f32[4]{0} all-reduce(%x4), replica_groups={}, to_apply=%add
+  ROOT %c = f32[100]{0} conditional(%i, %x, %x), branch_computations={%small, %large}
+}
+"""
+
+
+def test_conditional_branches_are_alternatives():
+    c = parse_collectives(CONDITIONAL_HLO, num_devices=4)
+    ring = 2 * 3 / 4
+    assert c["conditionals"] == [pytest.approx([ring * 40, ring * 400])]
+    assert c["ring_bytes"] == pytest.approx(ring * (16 + 400))  # the unconditional op and the larger branch
+    assert c["ops"]["all-reduce"]["count"] == 3  # every op is listed
+
+
+def test_cli_inspect_refuses_a_batchnorm_of_one_value(capsys):
+    # 8x8 images end as 1x1 maps in the last stage: one image per device leaves BN 1 value per channel.
+    argv = ["inspect", "--strategy", "ddp", "--devices", "2", "--width", "4", "--blocks", "1,1,1,1",
+            "--image-size", "8", "--batch-per-device", "1", "--no-compile"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxdp: error: --image-size 8 with --batch-per-device 1") and "\n" not in err
 
 
 HLO = """HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[16]{0})->f32[16]{0}}
@@ -135,10 +265,16 @@ def test_parse_collectives_tuples_loops_async():
     assert ops["all-reduce"]["count"] == 4
     assert ops["all-reduce"]["ring_bytes"] == pytest.approx(2 * 7 / 8 * 96 + 3 * 2 * 3 / 4 * 256)
     assert ops["all-gather"]["count"] == 2  # the -done half is not counted again
-    assert ops["all-gather"]["operand_bytes"] == pytest.approx(64 + 64)
+    # input: what a device contributes (its 64 B chunk); output: the gathered 512 B.
+    assert ops["all-gather"]["input_bytes"] == pytest.approx(64 + 64)
+    assert ops["all-gather"]["output_bytes"] == pytest.approx(512 + 512)
     assert ops["all-gather"]["ring_bytes"] == pytest.approx(2 * 7 / 8 * 512)
-    assert (ops["reduce-scatter"]["operand_bytes"], ops["reduce-scatter"]["ring_bytes"]) == (512, 7 * 64)
+    # reduce-scatter: the full 512 B in, this device's 64 B sum out.
+    assert (ops["reduce-scatter"]["input_bytes"], ops["reduce-scatter"]["output_bytes"]) == (512, 64)
+    assert ops["reduce-scatter"]["ring_bytes"] == 7 * 64
     assert ops["collective-permute"]["ring_bytes"] == 64
+    loop_groups = [g for g in ops["all-reduce"]["by_groups"] if g["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert len(loop_groups) == 1 and loop_groups[0]["count"] == 3  # the [2,4]<=[8] iota form
 
 
 def test_cli_inspect(capsys):
