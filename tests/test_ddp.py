@@ -142,13 +142,92 @@ def test_accumulation_does_one_all_reduce_group_per_update():
     assert sum(counts_k4.values()) == sum(counts_k1.values()) > 0
 
 
-def test_buckets_follow_reverse_definition_order_and_cap():
-    from jaxdp.strategies.buckets import definition_order_paths, plan_buckets
+def torch_reduction_order(model_kw):
+    """Names and byte sizes of the torch_ref twin's params in reverse ``named_parameters()`` order: DDP's."""
+    from torch_ref.models import resnet as torch_resnet
 
-    params = init(tiny_resnet())["params"]
-    paths = definition_order_paths(params)
-    assert paths[0] == ("conv1", "kernel") and paths[-1] == ("fc", "bias")
-    assert plan_buckets([4, 4, 4, 10, 1], cap_bytes=8) == [[0, 1], [2], [3], [4]]
+    torch_model = torch_resnet("resnet18", **model_kw).double()
+    names = [name for name, _ in torch_model.named_parameters()][::-1]
+    sizes = [p.numel() * p.element_size() for _, p in torch_model.named_parameters()][::-1]
+    return names, sizes
+
+
+def torch_buckets(sizes, limits):
+    """torch's own bucket assignment for tensors of these byte sizes, in this order."""
+    import torch
+    import torch.distributed as dist
+
+    tensors = [torch.zeros(s, dtype=torch.int8) for s in sizes]
+    return dist._compute_bucket_assignment_by_size(tensors, limits)[0]
+
+
+def random_variables(model, seed=0):
+    """Valid variables of the right shapes without running init (the bucket tests need no trained values)."""
+    shapes = jax.eval_shape(lambda: init(model))
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(lambda s: rng.uniform(0.5, 1.5, s.shape).astype(s.dtype), shapes)
+
+
+def test_plan_buckets_is_torchs_bucket_assignment():
+    from jaxdp.strategies.buckets import plan_buckets
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        sizes = rng.integers(1, 40, rng.integers(1, 12)).tolist()
+        limits = sorted(rng.integers(1, 60, rng.integers(1, 3)).tolist())
+        assert plan_buckets(sizes, limits) == torch_buckets(sizes, limits), (sizes, limits)
+
+
+def test_buckets_hold_grads_in_reverse_torch_parameter_order():
+    """Grads as jax.grad returns them for a placed state (key-sorted dicts) go through ``bucketed``:
+    each bucket must be the grads of torch's reversed ``named_parameters()``, cut where torch cuts."""
+    from jaxdp.interop import param_name_map
+    from jaxdp.strategies.buckets import bucketed
+
+    model = tiny_resnet()
+    strategy = create_strategy("ddp", model, optax.sgd(0.1), make_mesh(2))
+    state = strategy.init_state(random_variables(model))
+    x, y = random_batch(4)
+
+    def loss_fn(p):
+        logits, _ = model.apply({"params": p, "batch_stats": state.batch_stats}, x, train=True,
+                                mutable=["batch_stats"])
+        return cross_entropy(logits, y)
+
+    grads = jax.jit(jax.grad(loss_fn))(state.params)
+    names, sizes = torch_reduction_order(dict(width=4, blocks=(1, 1, 1, 1)))
+    path_of = param_name_map(grads)
+    leaf = {".".join(path): np.asarray(g).ravel() for path, g in
+            ((tuple(k.key for k in kp), g) for kp, g in jax.tree_util.tree_leaves_with_path(grads))}
+    limits = [2000, 6000]  # bytes: the f64 tiny ResNet (~5k params) makes a handful of buckets
+    expected = [np.concatenate([leaf[".".join(path_of[names[i]])] for i in b]) for b in torch_buckets(sizes, limits)]
+    assert len(expected) > 3
+
+    received = []
+    strategy.learn_parameter_order(x)
+    out = bucketed(grads, lambda flat: received.append(np.asarray(flat)) or flat, strategy.param_order, limits)
+    assert len(received) == len(expected)
+    for got, want in zip(received, expected):
+        np.testing.assert_array_equal(got, want)
+    assert max_rel_error(out, grads) == 0.0
+
+
+def test_ddp_step_reduces_torch_sized_buckets():
+    """Through the strategy's own step (traced only): one reduction per torch bucket, in torch's sizes."""
+    from jaxdp.strategies.ddp import DDP
+
+    class RecordingDDP(DDP):
+        def reduce_bucket(self, flat):
+            seen.append(flat.size * flat.dtype.itemsize)
+            return super().reduce_bucket(flat)
+
+    seen = []
+    model = tiny_resnet()
+    strategy = RecordingDDP(model, optax.sgd(0.1), make_mesh(2), bucket_cap_mb=4000 / 2**20)
+    state = strategy.init_state(random_variables(model))
+    strategy.lower_step(state, *strategy.shard_batch(*random_batch(4)))
+    _, sizes = torch_reduction_order(dict(width=4, blocks=(1, 1, 1, 1)))
+    assert seen == [sum(sizes[i] for i in b) for b in torch_buckets(sizes, [4000])]
 
 
 def test_bad_accumulation_is_a_clear_error():

@@ -1,65 +1,118 @@
 """Gradient buckets, as torch DDP forms them.
 
-DDP packs gradients into flat buckets of at most ``bucket_cap_mb`` in *reverse*
-parameter order (roughly the order backward produces them) and runs one
+DDP packs gradients into flat buckets in *reverse* parameter order (reverse
+``model.parameters()``, roughly the order backward produces them) and runs one
 all-reduce per bucket. The reduction is elementwise, so bucketing changes only
 how many collectives the program issues, never the numbers.
+
+Parameter order. torch's ``model.parameters()`` is definition order. A Flax
+model creates its params in that order and ``model.init`` returns them so, but
+every JAX transform (``jit``, ``tree_map``, ``device_put``, ``grad``) hands
+dicts back with sorted keys: the gradients a step sees list ``bn1`` before
+``conv1`` and ``layer4`` before ``fc``. So the order is read once from the
+model itself (``definition_order``), never from the dict the gradients come in.
+
+Bucket sizes, as torch's ``_compute_bucket_assignment_by_size``: tensors join
+the open bucket until its size reaches the limit (the tensor that crosses it
+stays in, so a bucket can exceed the cap by one tensor). The first bucket's
+limit is ``first_cap``, the others' ``cap``. torch's defaults are a 25 MiB cap
+with a 1 MiB first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first
+gradients ready start communicating sooner); an explicit ``bucket_cap_mb``
+makes the first bucket that size too.
 """
 
-from typing import Callable, List
+from typing import Callable, List, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
+MIB = 1024 * 1024
+DEFAULT_CAP_MB = 25.0  # torch's _DEFAULT_BUCKET_CAP_MB
+DEFAULT_FIRST_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, used only with the default cap
 
-def definition_order_paths(tree, prefix=()):
-    """Leaf paths in the order the model defined them (dict insertion order).
+Path = Tuple[str, ...]
 
-    ``jax.tree_util`` sorts dict keys, which would put 'bn1' before 'conv1'; DDP
-    orders by ``model.parameters()``, i.e. definition order.
+
+def bucket_limits(cap_mb=None) -> List[int]:
+    """Byte limits [first bucket, every later one] for DDP's ``bucket_cap_mb`` (None: torch's defaults)."""
+    if cap_mb is None:
+        return [int(DEFAULT_FIRST_CAP_MB * MIB), int(DEFAULT_CAP_MB * MIB)]
+    return [int(cap_mb * MIB)] * 2
+
+
+def definition_order(model, example_images) -> List[Path]:
+    """Param paths in the order ``model`` defines them: torch's ``model.parameters()`` order.
+
+    ``model.init`` is traced abstractly (no compute, no compile) and its dict is
+    read inside the trace, before JAX flattens it into sorted order.
     """
+    order = []
+
+    def init(x):
+        variables = model.init(jax.random.key(0), x, train=False)
+        order.extend(insertion_order_paths(variables["params"]))
+
+    jax.eval_shape(init, jax.ShapeDtypeStruct((1,) + tuple(example_images.shape[1:]), example_images.dtype))
+    return order
+
+
+def insertion_order_paths(tree, prefix=()) -> List[Path]:
+    """Leaf paths of nested dicts in insertion order (``jax.tree_util`` would sort them)."""
     if isinstance(tree, dict):
         paths = []
         for key, sub in tree.items():
-            paths.extend(definition_order_paths(sub, prefix + (key,)))
+            paths.extend(insertion_order_paths(sub, prefix + (key,)))
         return paths
     return [prefix]
 
 
-def plan_buckets(sizes_in_bytes: List[int], cap_bytes: int) -> List[List[int]]:
-    """Group leaf indices (already in reduction order) into buckets of <= cap bytes.
+def plan_buckets(sizes_in_bytes: Sequence[int], limits: Sequence[int]) -> List[List[int]]:
+    """Group leaf indices (already in reduction order) into buckets, as torch does.
 
-    A leaf larger than the cap gets a bucket of its own, as in torch.
+    A bucket closes once it holds ``>= limit`` bytes; bucket j's limit is
+    ``limits[min(j, len(limits) - 1)]``.
     """
     buckets, current, filled = [], [], 0
     for i, size in enumerate(sizes_in_bytes):
-        if current and filled + size > cap_bytes:
-            buckets.append(current)
-            current, filled = [], 0
         current.append(i)
         filled += size
+        if filled >= limits[min(len(buckets), len(limits) - 1)]:
+            buckets.append(current)
+            current, filled = [], 0
     if current:
         buckets.append(current)
     return buckets
 
 
-def bucketed(grads, reduce_flat: Callable, cap_mb: float):
-    """Apply ``reduce_flat`` to each flat bucket of ``grads`` and return the same tree."""
-    by_path = {tuple(_key(k) for k in path): leaf
-               for path, leaf in jax.tree_util.tree_leaves_with_path(grads)}
-    order = list(reversed(definition_order_paths(grads)))
-    leaves = [by_path[p] for p in order]
-    cap = int(cap_mb * 1024 * 1024)
+def reduction_order(tree, order: Sequence[Path]) -> List[Path]:
+    """``tree``'s leaf paths in reverse definition ``order``; ValueError if they are not the same set."""
+    paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    if sorted(paths) != sorted(order):
+        missing, extra = set(paths) - set(order), set(order) - set(paths)
+        raise ValueError(f"the parameter order does not match the gradients: {len(missing)} leaves not in it "
+                         f"(e.g. {sorted(missing)[:2]}), {len(extra)} unknown (e.g. {sorted(extra)[:2]})")
+    return list(reversed(order))
+
+
+def bucketed(grads, reduce_flat: Callable, order: Sequence[Path], limits: Sequence[int]):
+    """Apply ``reduce_flat`` to each flat bucket of ``grads`` and return the same tree.
+
+    ``order``: the params' definition order (``definition_order``); buckets run in reverse.
+    """
+    by_path = {leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(grads)}
+    paths = reduction_order(grads, order)
+    leaves = [by_path[p] for p in paths]
     reduced = {}
-    for bucket in plan_buckets([x.size * x.dtype.itemsize for x in leaves], cap):
+    for bucket in plan_buckets([x.size * x.dtype.itemsize for x in leaves], limits):
         parts = [leaves[i] for i in bucket]
         flat = reduce_flat(jnp.concatenate([x.ravel() for x in parts]))
         offset = 0
         for i, x in zip(bucket, parts):
-            reduced[order[i]] = flat[offset:offset + x.size].reshape(x.shape)
+            reduced[paths[i]] = flat[offset:offset + x.size].reshape(x.shape)
             offset += x.size
-    return jax.tree_util.tree_map_with_path(lambda path, _: reduced[tuple(_key(k) for k in path)], grads)
+    return jax.tree_util.tree_map_with_path(lambda p, _: reduced[leaf_path(p)], grads)
 
 
-def _key(entry):
-    return getattr(entry, "key", getattr(entry, "idx", entry))
+def leaf_path(keypath) -> Path:
+    """A ``tree_util`` key path as a tuple of plain keys."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keypath)

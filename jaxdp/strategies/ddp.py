@@ -5,7 +5,10 @@ The torch ``DistributedDataParallel`` recipe, per device:
 1. forward/backward on the local shard (accumulating over ``accum_steps``
    micro-batches with no communication, as under ``no_sync``);
 2. one all-reduce per bucket: multiply by 1/N, then sum (``psum(g / N)``;
-   bit-identical to torch, where ``pmean`` is only for N a power of two);
+   bit-identical to torch, where ``pmean`` is only for N a power of two).
+   Buckets hold the gradients in reverse parameter definition order, sized as
+   torch sizes them (``buckets.py``); the order is read from the model at the
+   first ``step``/``lower_step``;
 3. every device runs the same optimizer update on the same averaged gradient;
 4. BN running stats: rank 0's (DDP broadcasts its buffers) or global with SyncBN.
 
@@ -22,21 +25,23 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdp import collectives, compression
+from jaxdp.strategies import buckets, flat
 from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
-from jaxdp.strategies.buckets import bucketed
 
 
 class DDP(Strategy):
     name = "ddp"
 
-    def __init__(self, model, tx, mesh, *, bucket_cap_mb: float = 25.0, allreduce: str = "psum",
+    def __init__(self, model, tx, mesh, *, bucket_cap_mb=None, allreduce: str = "psum",
                  compress=None, powersgd_rank: int = 1, powersgd_options=None, **kwargs):
         super().__init__(model, tx, mesh, **kwargs)
-        if bucket_cap_mb <= 0:
+        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise StrategyError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if compress not in compression.COMPRESSORS:
             raise StrategyError(f"unknown compress {compress!r}; choose bf16, fp16 or powersgd")
-        self.bucket_cap_mb = bucket_cap_mb
+        # None: torch's defaults, 25 MiB with a 1 MiB first bucket; a number: every bucket that size.
+        self.bucket_limits = buckets.bucket_limits(bucket_cap_mb)
+        self.param_order = None  # the model's parameter definition order, read at the first step
         try:
             self.allreduce_fn = collectives.all_reduce_fn(allreduce)
             self.powersgd = (compression.PowerSGD(powersgd_rank, **(powersgd_options or {}))
@@ -55,10 +60,33 @@ class DDP(Strategy):
     def all_reduce(self, grads, extra=None, step=0):
         """(averaged grads, new ``extra``): PowerSGD keeps state there, the other hooks do not."""
         def vanilla(g):
-            return bucketed(g, self.reduce_bucket, self.bucket_cap_mb)
+            return buckets.bucketed(g, self.reduce_bucket, self.definition_order(), self.bucket_limits)
         if self.powersgd is None:
             return vanilla(grads), extra
         return self.powersgd.reduce(grads, extra, step, self.axis, self.allreduce_fn, vanilla)
+
+    def bucket_groups(self, tree):
+        """The same buckets as leaf-index groups of a params-shaped tree (ZeRO-1/2 move shards in them)."""
+        return flat.bucket_groups(tree, self.definition_order(), self.bucket_limits)
+
+    def definition_order(self):
+        if self.param_order is None:
+            raise StrategyError(f"{self.name}: the bucket order is read from the model at the first "
+                                "step or lower_step (or call learn_parameter_order(images) first)")
+        return self.param_order
+
+    def learn_parameter_order(self, images):
+        """Read the model's parameter definition order once (gradients arrive key-sorted; see buckets.py)."""
+        if self.param_order is None:
+            self.param_order = buckets.definition_order(self.model, images)
+
+    def step(self, state, images, labels):
+        self.learn_parameter_order(images)
+        return super().step(state, images, labels)
+
+    def lower_step(self, state, images, labels):
+        self.learn_parameter_order(images)
+        return super().lower_step(state, images, labels)
 
     def init_extra(self, params):
         return self.powersgd.init(params, self.num_devices) if self.powersgd else None

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.strategies.buckets import definition_order_paths, plan_buckets
+from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
 
 
 def padded_size(size: int, n: int) -> int:
@@ -103,18 +103,14 @@ def per_tensor(tree) -> List[List[int]]:
     return [[i] for i in range(len(jax.tree_util.tree_leaves(tree)))]
 
 
-def bucket_groups(tree, cap_mb: float) -> List[List[int]]:
-    """DDP's buckets as groups of leaf indices (``tree_leaves`` order): reverse definition order, <= cap."""
-    index = {tuple(_key(k) for k in path): i
-             for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(tree))}
-    order = [index[p] for p in reversed(definition_order_paths(tree))]
+def bucket_groups(tree, order, limits) -> List[List[int]]:
+    """DDP's buckets as groups of leaf indices (``tree_leaves`` order): reverse definition
+    ``order``, byte ``limits`` as ``buckets.plan_buckets``."""
+    index = {leaf_path(path): i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(tree))}
+    ids = [index[p] for p in reduction_order(tree, order)]
     leaves = jax.tree_util.tree_leaves(tree)
-    sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in order]
-    return [[order[j] for j in bucket] for bucket in plan_buckets(sizes, int(cap_mb * 1024 * 1024))]
-
-
-def _key(entry):
-    return getattr(entry, "key", getattr(entry, "idx", entry))
+    sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in ids]
+    return [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, limits)]
 
 
 # ----------------------------------------------------------------------------- whole-state conversion (global arrays)

@@ -71,7 +71,7 @@ class ZeRO1(DDP):
 
     def gather(self, chunks):
         """Full tensors from every device's chunks: one all-gather per DDP-sized bucket."""
-        return flat.gather_tree(chunks, self.shapes, self.axis, flat.bucket_groups(self.shapes, self.bucket_cap_mb))
+        return flat.gather_tree(chunks, self.shapes, self.axis, self.bucket_groups(self.shapes))
 
     # -- placement and the canonical (DDP) layout ----------------------------------------------
     def state_specs(self, state):

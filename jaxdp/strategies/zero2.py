@@ -48,4 +48,4 @@ class ZeRO2(ZeRO1):
     def reduce_scatter(self, grads):
         """Each device's chunk of the averaged gradient ``psum_scatter(g / N)``, one collective per DDP bucket."""
         scaled = jax.tree_util.tree_map(lambda g: g / self.num_devices, grads)
-        return flat.scatter_tree(scaled, self.axis, self.shards, flat.bucket_groups(self.shapes, self.bucket_cap_mb))
+        return flat.scatter_tree(scaled, self.axis, self.shards, self.bucket_groups(self.shapes))
