@@ -18,33 +18,42 @@ from jaxdp.strategies.base import cross_entropy  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-STEPS = 5
+STEPS = 6
 
 
-def reference_stale_sgd(model, variables, tx, batches, n, k):
-    """The schedule, literally: update t averages the N shard gradients taken at theta_{max(0, t-k)}.
+def delay_table(k, seed, steps, n):
+    """d[t, i]: the documented schedule, drawn here one worker and round at a time."""
+    def draw(t, i):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), t), i)
+        return int(jax.random.randint(key, (), 0, k + 1))
+    return np.array([[draw(t, i) for i in range(n)] for t in range(steps)])
 
-    The optimizer steps the current params; BN running stats are the server's,
-    moved by shard 0's batch statistics (computed at the stale params).
-    """
+
+def reference_stale_sgd(model, variables, tx, batches, delays):
+    """The schedule, literally: update t averages the N shard gradients, shard i's taken at
+    theta_{max(0, t - delays[t, i])}; the optimizer steps the current params; BN running
+    stats are the server's, moved by shard 0's batch statistics (at shard 0's params)."""
     @jax.jit
     def shard_grad(p, stats, x, y):
         def loss_fn(p):
             logits, upd = model.apply({"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
-            return cross_entropy(logits, y), upd["batch_stats"]
+            loss = cross_entropy(logits, y)
+            return loss, (loss, upd["batch_stats"])
         return jax.grad(loss_fn, has_aux=True)(p)
 
+    n = delays.shape[1]
     update = jax.jit(tx.update)
     history = [variables["params"]]  # history[t] = theta_t
-    stats, opt_state = variables["batch_stats"], tx.init(variables["params"])
+    stats, opt_state, losses = variables["batch_stats"], tx.init(variables["params"]), []
     for t, (x, y) in enumerate(batches):
-        stale = history[max(0, t - k)]
-        results = [shard_grad(stale, stats, xs, ys) for xs, ys in zip(np.split(x, n), np.split(y, n))]
+        results = [shard_grad(history[max(0, t - delays[t, i])], stats, xs, ys)
+                   for i, (xs, ys) in enumerate(zip(np.split(x, n), np.split(y, n)))]
         grads = jax.tree_util.tree_map(lambda *g: sum(g) / n, *[g for g, _ in results])
-        stats = results[0][1]
+        losses.append([float(loss) for _, (loss, _) in results])
+        stats = results[0][1][1]
         updates, opt_state = update(grads, opt_state, history[t])
         history.append(optax.apply_updates(history[t], updates))
-    return history, stats, opt_state
+    return history, stats, opt_state, np.array(losses)
 
 
 def run(name, model, variables, tx, batches, n, **options):
@@ -66,19 +75,28 @@ def test_staleness_zero_is_ddp_exactly():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_stale_gradients_match_python_loop_reference(k):
-    model, n = TinyBNNet(), 2
+# (k, workers, seed): k = 1 and 2 on 2 workers, and k = 3 on 4 workers with every delay 0..3 in play.
+@pytest.mark.parametrize("k,n,seed", [(1, 2, 0), (2, 2, 0), (3, 4, 1)])
+def test_stale_gradients_match_python_loop_reference(k, n, seed):
+    model = TinyBNNet()
     variables = init(model)
     tx = make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=1e-3)
-    batches = [random_batch(8, seed=s) for s in range(STEPS)]
-    strategy = create_strategy("async", model, tx, make_mesh(n), staleness=k)
-    state = strategy.init_state(variables)
+    batches = [random_batch(4 * n, seed=s) for s in range(STEPS)]
+    delays = delay_table(k, seed, STEPS, n)
+    # The schedule must exercise what it claims: stale reads, and workers of one round at different versions.
+    assert delays.max() == k and (delays.min(axis=1) != delays.max(axis=1)).any(), delays
+    if n == 4:
+        assert set(delays.ravel()) == set(range(k + 1)), delays
+
+    strategy = create_strategy("async", model, tx, make_mesh(n), staleness=k, staleness_seed=seed)
+    state, losses = strategy.init_state(variables), []
     for i, (x, y) in enumerate(batches):
-        state, _ = strategy.step(state, *strategy.shard_batch(x, y))
+        state, metrics = strategy.step(state, *strategy.shard_batch(x, y))
+        losses.append(np.asarray(metrics["loss_per_device"]))
         if i == 1:  # a checkpoint round trip mid-run, ring buffer included
             state = strategy.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.canonical(state)))
-    history, stats, opt_state = reference_stale_sgd(model, variables, tx, batches, n, k)
+    history, stats, opt_state, ref_losses = reference_stale_sgd(model, variables, tx, batches, delays)
+    np.testing.assert_allclose(np.array(losses), ref_losses, rtol=1e-12)  # each worker read its own version
     assert max_rel_error(state.params, history[-1]) <= 1e-12
     assert max_rel_error(state.batch_stats, stats) <= 1e-12
     assert max_rel_error(state.opt_state, opt_state) <= 1e-12

@@ -1,35 +1,52 @@
 """Bounded-staleness parameter server ("async"), simulated deterministically.
 
 Asynchronous SGD lets workers compute gradients on weights that are already
-out of date by the time the server applies them. This strategy simulates the
-bounded-staleness model at its bound, with a fixed delay k = ``staleness``, so
-runs are reproducible and comparable with DDP:
+out of date by the time the server applies them. This strategy simulates it
+with a bound k = ``staleness`` and a seeded, reproducible arrival schedule, so
+runs can be repeated, resumed and compared with DDP.
 
-    server update t = 0, 1, 2, ... (t = ``state.step``), params theta_t, theta_0 = init:
-      every worker i computes g_i = grad L(theta_{max(0, t-k)}; shard i of batch t)
-      the server averages them, g = sum_i g_i / N (DDP's psum(g / N)),
-      and steps its optimizer: theta_{t+1} = opt(theta_t, g)
+The model. The server holds params theta_t, t = ``state.step`` = the number
+of updates applied so far (theta_0 = init). Each device is one worker. Update
+t is one round:
 
-so each applied gradient is exactly k updates stale (the first k use theta_0).
-k = 0 is DDP, op for op. Details the simulation fixes:
+1. **what a worker reads**: worker i's gradient for round t was computed on
+   the params it pulled d_{t,i} updates ago, theta_{max(0, t - d_{t,i})}, with
+   its own staleness d_{t,i} in [0, k]. It evaluates loss and gradient on shard
+   i of batch t (the data stream is DDP's: every sample once per epoch);
+2. **the arrival schedule** is deterministic: d_{t,i} =
+   ``jax.random.randint(fold_in(fold_in(key(staleness_seed), t), i), (), 0, k + 1)``,
+   so at a given update some workers are fresh and others up to k updates
+   behind, independently per worker and round, and a resume replays it;
+3. **when the server applies**: once per round, when the N gradients of round t
+   have arrived, it applies their average g_t = sum_i g_{t,i} / N (DDP's
+   ``psum(g / N)``) with its optimizer to its *current* params:
+   theta_{t+1} = opt(theta_t, g_t). Weight decay and AdamW's decoupled decay
+   act on theta_t, not on a stale copy;
+4. BN running stats are server state, moved in order as DDP's rank 0 moves
+   them: r_{t+1} = (1-m) r_t + m s_t, with s_t worker 0's batch statistics
+   (at the params worker 0 read). The logged loss is the workers' mean loss at
+   the params each of them read.
 
-- the optimizer runs on the server, on the *current* params: weight decay and
-  AdamW's decoupled decay use theta_t, not the stale copy;
-- BN running stats are server state, updated in order: r_{t+1} = (1-m) r_t +
-  m * s_t, with s_t worker 0's batch statistics (computed with the stale
-  weights), as DDP keeps rank 0's;
-- the logged loss is the workers' loss at the stale weights they used.
+Why k = 0 is DDP: every d_{t,i} = 0, so every worker reads theta_t and the
+round is exactly DDP's step; the code takes DDP's ``local_step`` itself, so it
+is DDP op for op (bit-identical). For k > 0 a round with all d = 0 is DDP's
+step too (``jnp.where`` selects theta_t exactly).
 
-The last k versions live in ``TrainState.extra["history"]``: a ring buffer with a
-leading axis of size k, slot j holding the most recent theta_v with v = j mod k
-(all slots hold theta_0 at first). Update t reads slot t mod k, which holds
-theta_{max(0, t-k)}, and then overwrites it with theta_t. The buffer is
-replicated like the params (in a real parameter server it lives on the server;
-here every simulated worker reads the same version), costing k x params per
-device, and is checkpointed as is (it is already in canonical form).
+History, and its memory. Update t needs theta_{t-k} .. theta_t. theta_t is
+``state.params``; the other k live in ``TrainState.extra["history"]``, a ring
+buffer with a leading axis of size k: slot j holds the most recent theta_v with
+v = j mod k (all slots hold theta_0 at first, which is what max(0, .) reads).
+Update t reads slot (t - d) mod k for a worker with d >= 1, then overwrites
+slot t mod k with theta_t. The buffer is replicated like the params (in a real
+parameter server it lives on the server; here every simulated worker can read
+any version), so a device holds DDP's state plus k copies of the params: with
+f32 Adam 16Psi + 4kPsi bytes. It is checkpointed as is (it already is in
+canonical form); its schedule is keyed by device index, so resuming on another
+device count continues with that count's schedule.
 """
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxdp.strategies.base import StrategyError, ddp_buffers, local_grads, train_metrics
@@ -39,7 +56,7 @@ from jaxdp.strategies.ddp import DDP
 class AsyncPS(DDP):
     name = "async"
 
-    def __init__(self, model, tx, mesh, *, staleness: int = 0, bucket_cap_mb: float = 25.0,
+    def __init__(self, model, tx, mesh, *, staleness: int = 0, staleness_seed: int = 0, bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, **kwargs):
         super().__init__(model, tx, mesh, bucket_cap_mb=bucket_cap_mb, allreduce=allreduce,
                          compress=compress, **kwargs)
@@ -48,38 +65,48 @@ class AsyncPS(DDP):
         if self.powersgd is not None:
             raise StrategyError("async does not combine with powersgd (both keep state in extra)")
         self.staleness = staleness
+        self.staleness_seed = staleness_seed
 
     def init_extra(self, params):
         if self.staleness == 0:
             return None
         return {"history": jax.tree_util.tree_map(
-            lambda x: jax.numpy.broadcast_to(x, (self.staleness,) + x.shape), params)}
+            lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), params)}
+
+    # -- per device (one worker) ----------------------------------------------------------------
+    def worker_delay(self, step):
+        """d_{t,i} in [0, k]: how many updates old the params are that this worker read for update ``step``."""
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.staleness_seed), step),
+                                 jax.lax.axis_index(self.axis))
+        return jax.random.randint(key, (), 0, self.staleness + 1)
+
+    def params_read(self, state):
+        """theta_{max(0, t - d)} for this worker: the current params or a ring-buffer slot."""
+        delay = self.worker_delay(state.step)
+        slot = (state.step - delay) % self.staleness  # t - d < 0 lands on a slot still holding theta_0
+        current = jax.lax.pcast(state.params, self.axis, to="varying")
+        return jax.tree_util.tree_map(
+            lambda p, h: jnp.where(delay == 0, p, jax.lax.dynamic_index_in_dim(h, slot, 0, keepdims=False)),
+            current, state.extra["history"])
 
     def local_step(self, state, images, labels):
         k = self.staleness
-        if k:
-            slot = state.step % k
-            stale = jax.tree_util.tree_map(
-                lambda h: jax.lax.dynamic_index_in_dim(h, slot, 0, keepdims=False), state.extra["history"])
-        else:
-            stale = state.params
-        params = jax.lax.pcast(stale, self.axis, to="varying")
+        if k == 0:
+            return super().local_step(state, images, labels)
         loss, grads, batch_stats, correct = local_grads(
-            self.model, params, state.batch_stats, images, labels, self.accum_steps
+            self.model, self.params_read(state), state.batch_stats, images, labels, self.accum_steps
         )
-        grads, _ = self.all_reduce(grads)
+        grads, _ = self.all_reduce(grads)  # the server's average of the round's gradients
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        extra = state.extra
-        if k:  # theta_t goes where theta_{t-k} was: update t+k reads it
-            extra = {"history": jax.tree_util.tree_map(
-                lambda h, p: jax.lax.dynamic_update_index_in_dim(h, p, slot, 0),
-                state.extra["history"], state.params)}
+        slot = state.step % k  # theta_t replaces theta_{t-k}, which no later update reads
+        history = jax.tree_util.tree_map(lambda h, p: jax.lax.dynamic_update_index_in_dim(h, p, slot, 0),
+                                         state.extra["history"], state.params)
         new_state = state.replace(
             step=state.step + 1,
             params=optax.apply_updates(state.params, updates),
             batch_stats=ddp_buffers(batch_stats, self.axis, self.sync_bn),
             opt_state=opt_state,
-            extra=extra,
+            extra={"history": history},
         )
         return new_state, train_metrics(loss, correct, images.shape[0], self.axis,
                                         grads if self.return_grads else None)
