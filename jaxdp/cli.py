@@ -33,7 +33,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-size", type=_ints, default=d.synthetic_size, help="train,test sizes of the synthetic set")
     g = p.add_argument_group("parallelism")
     g.add_argument("--strategy", default=d.strategy, help="ddp (more in jaxdp.strategies)")
-    g.add_argument("--devices", type=int, default=d.devices, help="devices to use (default all); on CPU they are simulated")
+    g.add_argument("--devices", type=int, default=d.devices,
+                   help="devices to use (default: all). On a CPU-only machine --devices N simulates N devices"
+                        " (any N >= 1), unless XLA_FLAGS already sets --xla_force_host_platform_device_count,"
+                        " which then fixes how many there are")
     g.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size)
     g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
     g.add_argument("--sync-bn", action="store_true", help="global BatchNorm statistics (SyncBatchNorm)")
@@ -41,6 +44,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allreduce", default=d.allreduce, help="ddp: psum | ring")
     g.add_argument("--compress", default=d.compress, help="ddp gradient compression: bf16 | fp16 | powersgd")
     g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
+    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
+                   help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
     g.add_argument("--staleness", type=int, default=d.staleness, help="async: max staleness k of worker weights")
     g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("optimisation")
@@ -51,11 +56,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--schedule", default=d.schedule, help="constant | cosine | multistep | warmup_cosine")
+    g.add_argument("--milestones", type=_ints, default=d.milestones,
+                   help="multistep (required): EPOCHS at whose first step the lr is multiplied by --gamma,"
+                        " e.g. 100,150 (torch's MultiStepLR stepped once per epoch)")
+    g.add_argument("--gamma", type=float, default=d.gamma, help="multistep: lr factor at each milestone")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     g.add_argument("--seed", type=int, default=d.seed)
     g = p.add_argument_group("output")
     g.add_argument("--out", default=d.out, help="run directory: metrics.jsonl, config.json, checkpoints/")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds an earlier run: delete its checkpoints and metrics")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps (0 = each epoch)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -137,7 +148,7 @@ def _user_errors():
     from jaxdp.optim import ConfigError
     from jaxdp.strategies import StrategyError
     from jaxdp.launch import LaunchError
-    from jaxdp.train import TrainError
+    from jaxdp.config import TrainError
 
     return (LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError, TrainError)
 
@@ -171,25 +182,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    devices = getattr(args, "devices", None)
     try:
-        if devices:
-            from jaxdp.mesh import distributed_env, simulate_cpu_devices
+        if args.command == "train":
+            from jaxdp.config import check_config
 
-            job = distributed_env() if args.command == "train" else None  # --devices is the job's total
-            simulate_cpu_devices(devices // job.num_processes if job and devices % job.num_processes == 0
-                                 else devices)  # before jax is imported; a no-op for GPUs
+            check_config(config_from_args(args))  # e.g. --devices 0 before it reaches XLA
+        _simulate_devices(args)
         return args.func(args)
     except _user_errors() as e:
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        from jaxdp.mesh import distributed_env
+    except KeyboardInterrupt as e:
+        from jaxdp.train import interrupted_message
 
-        saved = ("the last periodic checkpoint" if distributed_env()  # a job saves only all together
-                 else "the last completed step, which was checkpointed")
-        print(f"jaxdp: interrupted; resume with --resume from {saved}", file=sys.stderr)
+        print(f"jaxdp: {interrupted_message(e)}", file=sys.stderr)
         return 130
+
+
+def _simulate_devices(args: argparse.Namespace) -> None:
+    """--devices N on CPU: ask XLA for N devices, before jax is imported (a no-op for GPUs,
+    and when XLA_FLAGS already fixes the count)."""
+    devices = getattr(args, "devices", None)
+    if devices:
+        from jaxdp.mesh import distributed_env, simulate_cpu_devices
+
+        job = distributed_env() if args.command == "train" else None  # --devices is the job's total
+        simulate_cpu_devices(devices // job.num_processes if job and devices % job.num_processes == 0
+                             else devices)
 
 
 if __name__ == "__main__":

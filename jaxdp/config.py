@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
+class TrainError(ValueError):
+    """A configuration that cannot be trained, caught before any work is done (both trainers)."""
+
+
 @dataclass
 class TrainConfig:
     # what to train
@@ -21,7 +25,7 @@ class TrainConfig:
     synthetic_size: Tuple[int, int] = (10000, 2000)
     # how to train it
     strategy: str = "ddp"
-    devices: Optional[int] = None  # default: every device
+    devices: Optional[int] = None  # default: every device; on CPU, N simulated devices
     global_batch_size: int = 128
     accum_steps: int = 1
     sync_bn: bool = False
@@ -30,6 +34,7 @@ class TrainConfig:
     allreduce: str = "psum"  # ddp: "psum" | "ring" (reduce-scatter + all-gather by ppermute)
     compress: Optional[str] = None  # ddp: None | "bf16" | "fp16" | "powersgd"
     powersgd_rank: int = 1
+    powersgd_start_iter: int = 1000  # plain all-reduce for the first steps (torch's start_powerSGD_iter)
     staleness: int = 0  # async parameter server: max updates a worker's weights may lag
     mesh_shape: Optional[Tuple[int, int]] = None  # hsdp: (replicas, shards)
     # optimisation
@@ -41,10 +46,13 @@ class TrainConfig:
     weight_decay: float = 5e-4
     schedule: str = "cosine"
     warmup_steps: int = 0
+    milestones: Optional[Tuple[int, ...]] = None  # multistep: epochs at whose start lr *= gamma
+    gamma: float = 0.1
     seed: int = 0
     # bookkeeping
     out: str = "runs/default"
     resume: bool = False
+    overwrite: bool = False  # a fresh run may delete an earlier run's checkpoints and metrics in out
     checkpoint_every: int = 0  # steps; 0 = once per epoch
     progress: bool = True
     log_sample_ids: bool = False  # write each step's dataset ids to sample_ids.p<process>.jsonl
@@ -52,7 +60,8 @@ class TrainConfig:
     init_timeout: int = 300  # seconds for every process to join
     heartbeat_timeout: int = 100  # seconds before the survivors give up on a silent peer
 
-    STRATEGY_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape")
+    STRATEGY_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "powersgd_start_iter",
+                        "staleness", "mesh_shape")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -64,7 +73,66 @@ class TrainConfig:
         a resume; anything that changes the math may not. The global batch is part of
         it: it fixes which samples each step takes, whatever the device count.
         """
-        ignored = {"out", "resume", "progress", "devices", "checkpoint_every", "data_dir", "download",
+        ignored = {"out", "resume", "overwrite", "progress", "devices", "checkpoint_every", "data_dir", "download",
                    "strategy", "mesh_shape", "bucket_cap_mb", "log_sample_ids", "init_timeout",
                    "heartbeat_timeout"}
         return {k: v for k, v in json.loads(self.to_json()).items() if k not in ignored}
+
+    def schedule_options(self, steps_per_epoch: int) -> dict:
+        """``make_schedule``'s options. Both trainers step the schedule once per update, so
+        the milestones, given in epochs, become ``epoch * steps_per_epoch`` updates: the lr
+        changes at the first step of each milestone epoch, as torch's MultiStepLR stepped
+        once per epoch does."""
+        return {"warmup_steps": self.warmup_steps, "gamma": self.gamma,
+                "milestones": tuple(m * steps_per_epoch for m in self.milestones or ())}
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """What can be refused from the config alone, before jax or torch starts: raises
+    ``TrainError`` naming the flag. (Names of models, strategies and optimizers are checked
+    by the trainers' factories, still before any data is loaded.)"""
+    if cfg.resume and cfg.overwrite:
+        raise TrainError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
+    _at_least("--global-batch-size", cfg.global_batch_size, 1)
+    _at_least("--accum-steps", cfg.accum_steps, 1)
+    if cfg.devices is not None:
+        _at_least("--devices", cfg.devices, 1, hint=" (omit it to use every device)")
+    _at_least("--epochs", cfg.epochs, 1)
+    _at_least("--checkpoint-every", cfg.checkpoint_every, 0, hint=" (0 = once per epoch)")
+    if len(cfg.synthetic_size) != 2 or min(cfg.synthetic_size) < 1:
+        raise TrainError(f"--synthetic-size takes two positive counts TRAIN,TEST (e.g. 10000,2000), "
+                         f"got {','.join(map(str, cfg.synthetic_size))}")
+    _check_milestones(cfg)
+    _check_powersgd_flags(cfg)
+
+
+def check_choice(option: str, value: str, choices) -> None:
+    if value not in choices:
+        raise TrainError(f"unknown {option} {value!r}; choose one of {', '.join(choices)}")
+
+
+def _at_least(flag: str, value: int, minimum: int, hint: str = "") -> None:
+    if value < minimum:
+        raise TrainError(f"{flag} must be >= {minimum}{hint}, got {value}")
+
+
+def _check_milestones(cfg: TrainConfig) -> None:
+    if cfg.schedule != "multistep":
+        if cfg.milestones:
+            raise TrainError(f"--milestones applies to --schedule multistep, not {cfg.schedule!r}")
+        return
+    if not cfg.milestones:
+        raise TrainError("--schedule multistep needs --milestones E1,E2,... (epochs at whose start "
+                         "the lr is multiplied by --gamma); without them it is a constant lr")
+    outside = [m for m in cfg.milestones if not 1 <= m < cfg.epochs]
+    if outside:
+        valid = f"1 to {cfg.epochs - 1}" if cfg.epochs > 1 else "none, the run has one epoch"
+        raise TrainError(f"--milestones {','.join(map(str, outside))} never take effect: milestones are the "
+                         f"epochs at whose start the lr changes (for --epochs {cfg.epochs}: {valid})")
+
+
+def _check_powersgd_flags(cfg: TrainConfig) -> None:
+    defaults = TrainConfig()
+    for name in ("powersgd_rank", "powersgd_start_iter"):
+        if getattr(cfg, name) != getattr(defaults, name) and cfg.compress != "powersgd":
+            raise TrainError(f"--{name.replace('_', '-')} applies to --compress powersgd only")

@@ -33,45 +33,108 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxdp.config import TrainConfig
+from jaxdp.config import TrainConfig, TrainError, check_choice, check_config
 
 
-class TrainError(ValueError):
-    """A configuration that cannot be trained, caught before any work is done."""
+IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10 and the synthetic set
 
 
 # ----------------------------------------------------------------------------- set-up
 
 def _setup(cfg: TrainConfig):
+    """Everything but the state. Names, devices and the model's needs are checked before
+    the dataset loads (CIFAR-10's md5 alone takes seconds), all of it before anything is
+    written."""
     import jax
 
     from jaxdp.data import load_dataset
-    from jaxdp.data.loader import steps_per_epoch
-    from jaxdp.mesh import make_mesh
     from jaxdp.models import create_model
-    from jaxdp.optim import make_optimizer, make_schedule
-    from jaxdp.strategies import create_strategy
+    from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
+    from jaxdp.strategies import STRATEGIES, create_strategy
 
     join_job(cfg)  # before anything asks jax for its devices
     if cfg.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     model = create_model(cfg.model, width=cfg.width, blocks=cfg.blocks, stem=cfg.stem, dtype=cfg.dtype)
-    mesh = make_mesh(cfg.devices)
+    check_choice("strategy", cfg.strategy, STRATEGIES)
+    check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    check_choice("schedule", cfg.schedule, SCHEDULES)
+    options = strategy_options(cfg)
+    mesh = _make_mesh(cfg.devices)
     n = mesh.size
-    if cfg.global_batch_size % (n * cfg.accum_steps):
-        raise TrainError(
-            f"global batch {cfg.global_batch_size} is not divisible by devices x accumulation steps"
-            f" = {n} x {cfg.accum_steps}; pick a multiple of {n * cfg.accum_steps}"
-        )
+    per_device = per_device_batch(cfg, n)
+    _check_batchnorm_batch(model, cfg, n)
     train_set, test_set = load_dataset(cfg.dataset, cfg.data_dir, cfg.download, tuple(cfg.synthetic_size), cfg.seed)
-    per_device = cfg.global_batch_size // n
-    steps = steps_per_epoch(len(train_set), n, per_device)
-    schedule = make_schedule(cfg.schedule, cfg.lr, steps * cfg.epochs, warmup_steps=cfg.warmup_steps)
+    steps = epoch_length(len(train_set), n, per_device)
+    schedule = make_schedule(cfg.schedule, cfg.lr, steps * cfg.epochs, **cfg.schedule_options(steps))
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
     strategy = create_strategy(cfg.strategy, model, tx, mesh, accum_steps=cfg.accum_steps,
-                               sync_bn=cfg.sync_bn, **strategy_options(cfg))
+                               sync_bn=cfg.sync_bn, **options)
     return strategy, schedule, train_set, test_set, per_device, steps
+
+
+def _make_mesh(devices: Optional[int]):
+    """``make_mesh``, saying so when ``--devices N`` could not simulate N CPU devices
+    because XLA_FLAGS already fixed their count."""
+    import jax
+
+    from jaxdp.mesh import MeshError, make_mesh
+
+    available = jax.devices()
+    preset = [f for f in os.environ.get("XLA_FLAGS", "").split()
+              if f.startswith("--xla_force_host_platform_device_count=")]
+    if devices and devices > len(available) and preset and available[0].platform == "cpu":
+        raise MeshError(f"asked for {devices} devices but only {len(available)} are available: XLA_FLAGS "
+                        f"sets {preset[-1]}, which --devices does not override; change or unset it")
+    return make_mesh(devices)
+
+
+def per_device_batch(cfg: TrainConfig, devices: int) -> int:
+    if cfg.global_batch_size % (devices * cfg.accum_steps):
+        raise TrainError(
+            f"global batch {cfg.global_batch_size} is not divisible by devices x accumulation steps"
+            f" = {devices} x {cfg.accum_steps}; pick a multiple of {devices * cfg.accum_steps}"
+        )
+    return cfg.global_batch_size // devices
+
+
+def epoch_length(num_samples: int, devices: int, per_device: int) -> int:
+    """Steps per epoch; a training set smaller than one global batch is an error."""
+    from jaxdp.data.loader import steps_per_epoch
+
+    try:
+        return steps_per_epoch(num_samples, devices, per_device)
+    except ValueError as e:
+        raise TrainError(str(e)) from None  # names the sizes and what to lower
+
+
+def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:
+    """BatchNorm in training needs more than one value per channel, and it sees
+    micro-batch x height x width values: only a micro-batch of one image can fall short
+    (with the imagenet stem, the last stage is 1x1 on 32x32 images). Trace the model
+    (shapes only, no compile) so that this is refused now, not at the first step."""
+    import functools
+
+    import jax
+
+    from jaxdp.models import ModelError
+
+    micro_batch = cfg.global_batch_size // (devices * cfg.accum_steps)
+    if micro_batch > 1 or (cfg.sync_bn and devices > 1):  # SyncBN counts every device's images
+        return
+    try:
+        jax.eval_shape(functools.partial(model.init, train=True), jax.random.key(0),
+                       jax.ShapeDtypeStruct((micro_batch, *IMAGE_SHAPE), model.dtype))
+    except ModelError as e:
+        raise batchnorm_batch_error(cfg, devices, e) from None
+
+
+def batchnorm_batch_error(cfg: TrainConfig, devices: int, reason) -> TrainError:
+    """The one-line error for a micro-batch too small for BatchNorm (both trainers)."""
+    where = "per device" + (" and micro-batch" if cfg.accum_steps > 1 else "")
+    return TrainError(f"1 image {where} is too few for --stem {cfg.stem}: {reason}; pass "
+                      f"--global-batch-size {2 * devices * cfg.accum_steps} or more")
 
 
 def join_job(cfg: TrainConfig) -> None:
@@ -101,7 +164,9 @@ def strategy_options(cfg: TrainConfig) -> dict:
     options = {}
     for name in TrainConfig.STRATEGY_OPTIONS:
         value = getattr(cfg, name)
-        if name in accepted:
+        if name == "powersgd_start_iter" and "powersgd_options" in accepted:
+            options["powersgd_options"] = {"start_iter": value}  # PowerSGD's own name for it
+        elif name in accepted:
             options[name] = value
         elif value != getattr(defaults, name):
             flag = "--" + name.replace("_", "-")
@@ -109,7 +174,7 @@ def strategy_options(cfg: TrainConfig) -> dict:
     return options
 
 
-def init_variables(model, seed: int, image_shape=(32, 32, 3)):
+def init_variables(model, seed: int, image_shape=IMAGE_SHAPE):
     """Initial params and BN buffers (torch's init distributions, see models.resnet).
 
     Compiled once per (model, image shape) and process: the init's ~20 normal samplers
@@ -250,7 +315,11 @@ def permutation_digest(n: int, seed: int, epoch: int) -> str:
 def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
           on_step: Optional[Callable] = None) -> dict:
     """Train ``cfg``; returns a summary. ``stop_after_steps`` simulates an interruption
-    (checkpoint, then return) so resume can be tested without killing processes."""
+    (checkpoint, then return) so resume can be tested without killing processes.
+
+    Ctrl-C (one process) finishes the step in flight, writes its records, checkpoints it
+    and raises ``KeyboardInterrupt``; a second Ctrl-C raises ``TrainingAborted`` at once,
+    without a checkpoint."""
     import jax
     from tqdm.auto import tqdm
 
@@ -258,10 +327,14 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     from jaxdp.data import Prefetcher, epoch_batches
     from jaxdp.mesh import barrier, process_ranks
 
+    check_config(cfg)
+    earlier_run = refuse_earlier_run(cfg, latest_jaxdp_checkpoint(cfg.out))
     strategy, schedule, train_set, test_set, per_device, steps_per_epoch = _setup(cfg)
 
     is_main = jax.process_index() == 0
     ranks = process_ranks(strategy.mesh, strategy.batch_axes)  # this process's rows of each batch
+    if earlier_run and is_main:  # --overwrite, and the new run is valid: only now delete the old one
+        remove_run_files(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
     variables = init_variables(strategy.model, cfg.seed)
     barrier("init")  # the processes finish compiling the init at different times (see mesh.barrier)
@@ -293,69 +366,84 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     log = _Log(os.path.join(cfg.out, "metrics.jsonl"), is_main, keep)
     sample_log = _SampleLog(cfg.out, cfg.log_sample_ids, keep)
     position = (start_epoch, start_step)  # (epoch, steps of it done) of the state in hand
+    saved = (global_step, position)  # what the newest checkpoint holds
 
     def save():
+        nonlocal saved
         meta = {"epoch": position[0], "step_in_epoch": position[1], "global_step": global_step,
                 "fingerprint": fingerprint, "data": data_position(*position),
                 "rng": {"init_seed": cfg.seed, "augment": "stateless: keyed by (seed, epoch, sample id)"}}
         ckpt.save(global_step, strategy.stored(state), meta)
+        saved = (global_step, position)
 
     def shard(batch):
         return (*strategy.shard_batch(_flat(batch.images), _flat(batch.labels)), batch.indices)
 
     summary = {"steps": 0, "eval": None, "interrupted": False, "process_index": jax.process_index()}
+    # A job checkpoints only all together, and its processes may stand at different steps.
+    interrupt = DeferredInterrupt("jaxdp", enabled=jax.process_count() == 1)
+    records = None
     t_start = time.perf_counter()
     try:
-        for epoch in range(start_epoch, cfg.epochs):
-            first = start_step if epoch == start_epoch else 0
-            batches = Prefetcher(
-                epoch_batches(train_set, num_replicas=strategy.num_devices, batch_per_replica=per_device,
-                              epoch=epoch, seed=cfg.seed, start_step=first, ranks=ranks),
-                transform=shard,
-            )
-            bar = tqdm(total=steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                       disable=not (cfg.progress and is_main), unit="step", dynamic_ncols=True)
-            pending = None  # metrics of the previous step: read them while the next one runs
-            t_last = time.perf_counter()
-            for step_in_epoch, (images, labels, ids) in enumerate(batches, start=first):
-                if global_step == start_global_step and jax.process_count() > 1:
-                    strategy.lower_step(state, images, labels).compile()  # jit reuses it
-                    barrier("step compiled")
-                state, metrics = strategy.step(state, images, labels)
-                if pending is not None:
-                    t_last = _report(pending, log, bar, cfg.global_batch_size, t_last)
-                global_step += 1
-                position = (epoch, step_in_epoch + 1)
-                sample_log.write(global_step, epoch, step_in_epoch, ranks, ids)
-                pending = (global_step, epoch, float(schedule(global_step - 1)), metrics)
-                if on_step is not None:
-                    on_step(global_step, state, metrics)
-                last = step_in_epoch + 1 == steps_per_epoch  # the epoch's own save follows its evaluation
-                if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not last:
-                    save()
-                if stop_after_steps is not None and global_step >= stop_after_steps:
-                    _report(pending, log, bar, cfg.global_batch_size, t_last)
-                    batches.close()
-                    save()
-                    summary.update(interrupted=True, steps=global_step)
-                    return summary
-            if pending is not None:
-                _report(pending, log, bar, cfg.global_batch_size, t_last)
-            bar.close()
-            batches.close()
-            barrier("evaluate")
-            result = evaluate(strategy, state, test_set, per_device, ranks)
-            log.write({"kind": "eval", "epoch": epoch + 1, "step": global_step, **result})
-            if is_main:
-                tqdm.write(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
-            summary["eval"] = result
-            position = (epoch + 1, 0)
-            save()
-    except KeyboardInterrupt:
-        # Keep every completed step: the state in hand is consistent. Not in a multi-process
-        # job: the processes may stand at different steps, and a save needs all of them at one.
-        if jax.process_count() == 1:
-            save()
+        with interrupt:
+            for epoch in range(start_epoch, cfg.epochs):
+                first = start_step if epoch == start_epoch else 0
+                batches = Prefetcher(
+                    epoch_batches(train_set, num_replicas=strategy.num_devices, batch_per_replica=per_device,
+                                  epoch=epoch, seed=cfg.seed, start_step=first, ranks=ranks),
+                    transform=shard,
+                )
+                bar = tqdm(total=steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                           disable=not (cfg.progress and is_main), unit="step", dynamic_ncols=True)
+                records = _PendingRecords(log, bar, cfg.global_batch_size)
+                for step_in_epoch, (images, labels, ids) in enumerate(batches, start=first):
+                    if global_step == start_global_step and jax.process_count() > 1:
+                        strategy.lower_step(state, images, labels).compile()  # jit reuses it
+                        barrier("step compiled")
+                    state, metrics = strategy.step(state, images, labels)
+                    # Bookkeeping at once, so that from here on the state in hand and its step number
+                    # agree wherever an exception lands (the loop spends its time in records.write).
+                    global_step += 1
+                    position = (epoch, step_in_epoch + 1)
+                    records.add(global_step, epoch, float(schedule(global_step - 1)), metrics)
+                    sample_log.write(global_step, epoch, step_in_epoch, ranks, ids)
+                    records.write(keep_newest=1)  # waits for the previous step; this one is queued
+                    if on_step is not None:
+                        on_step(global_step, state, metrics)
+                    last = step_in_epoch + 1 == steps_per_epoch  # the epoch's own save follows its evaluation
+                    if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not last:
+                        save()
+                    stop_here = stop_after_steps is not None and global_step >= stop_after_steps
+                    if stop_here or interrupt.requested:
+                        records.write()
+                        batches.close()
+                        save()
+                        if interrupt.requested:
+                            raise KeyboardInterrupt
+                        summary.update(interrupted=True, steps=global_step)
+                        return summary
+                records.write()
+                bar.close()
+                batches.close()
+                barrier("evaluate")
+                result = evaluate(strategy, state, test_set, per_device, ranks)
+                log.write({"kind": "eval", "epoch": epoch + 1, "step": global_step, **result})
+                if is_main:
+                    tqdm.write(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
+                summary["eval"] = result
+                position = (epoch + 1, 0)
+                save()
+                if interrupt.requested:
+                    raise KeyboardInterrupt
+    except KeyboardInterrupt as e:
+        # Keep every completed step: the state in hand is consistent, unless a second Ctrl-C
+        # aborted (perhaps inside a step). Not in a multi-process job: see ``interrupt``.
+        if jax.process_count() == 1 and not isinstance(e, TrainingAborted):
+            if saved != (global_step, position):
+                if records is not None:
+                    records.write()
+                save()
+            e.checkpointed_step = global_step
         summary["interrupted"] = True
         raise
     finally:
@@ -364,6 +452,118 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
         ckpt.close()
     summary.update(steps=global_step, seconds=time.perf_counter() - t_start, state=state)
     return summary
+
+
+class _PendingRecords:
+    """Train records whose metrics are still being computed: the loop writes a step's
+    record once the next step is queued, so reading its loss never stalls the device."""
+
+    def __init__(self, log, bar, global_batch: int):
+        self.log, self.bar, self.global_batch = log, bar, global_batch
+        self.pending = []
+        self.t_last = time.perf_counter()
+
+    def add(self, step: int, epoch: int, lr: float, metrics) -> None:
+        self.pending.append((step, epoch, lr, metrics))
+
+    def write(self, keep_newest: int = 0) -> None:
+        """Write the records, oldest first, but the newest ``keep_newest``. A record leaves
+        the queue only once written, so an interruption here loses none of them."""
+        while len(self.pending) > keep_newest:
+            self.t_last = _report(self.pending[0], self.log, self.bar, self.global_batch, self.t_last)
+            self.pending.pop(0)
+
+
+class TrainingAborted(KeyboardInterrupt):
+    """A second Ctrl-C: stop at once, without a checkpoint."""
+
+
+class DeferredInterrupt:
+    """While active, Ctrl-C (SIGINT) only sets ``requested``; the loop checks it between
+    steps, then checkpoints and raises ``KeyboardInterrupt``. Raised where the signal
+    lands, the interrupt could split a step from its bookkeeping (or hit a step whose
+    input buffers were already donated), and the checkpoint would not be the step it
+    claims. A second Ctrl-C raises ``TrainingAborted`` at once.
+
+    Only installed from the main thread over Python's default handler: an ignored SIGINT
+    (a background job) or an application's own handler is left alone.
+    """
+
+    def __init__(self, prog: str, enabled: bool = True):
+        import signal
+        import threading
+
+        self.prog = prog
+        self.requested = False
+        self._enabled = (enabled and threading.current_thread() is threading.main_thread()
+                         and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+    def __enter__(self) -> "DeferredInterrupt":
+        if self._enabled:
+            import signal
+
+            signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._enabled:
+            import signal
+
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.requested:
+            raise TrainingAborted
+        self.requested = True
+        print(f"\n{self.prog}: Ctrl-C: finishing this step, then checkpointing it (Ctrl-C again to abort "
+              "without a checkpoint)", file=sys.stderr, flush=True)
+
+
+def interrupted_message(e: KeyboardInterrupt) -> str:
+    """What the command line says after ``train`` raised ``e`` (both trainers)."""
+    step = getattr(e, "checkpointed_step", None)
+    if step is not None:
+        return f"interrupted; step {step} was checkpointed: add --resume to continue"
+    if isinstance(e, TrainingAborted):
+        return "aborted without a checkpoint; --resume continues from the last one, if any"
+    return "interrupted; --resume continues from the last checkpoint, if any"
+
+
+# ----------------------------------------------------------------------------- the run directory
+
+EARLIER_RUN = ("{out} already holds checkpoints of an earlier run (latest step {step}): pass --resume to "
+               "continue it, --overwrite to start over, or another --out")
+
+
+def refuse_earlier_run(cfg: TrainConfig, latest_step: Optional[int]) -> bool:
+    """Whether ``cfg.out`` holds an earlier run that this fresh run may replace (--overwrite);
+    without --resume or --overwrite, that is an error: a later --resume would restore it."""
+    if cfg.resume or latest_step is None:
+        return False
+    if not cfg.overwrite:
+        raise TrainError(EARLIER_RUN.format(out=cfg.out, step=latest_step))
+    return True
+
+
+def remove_run_files(out: str) -> None:
+    """Delete what a run writes in ``out`` (checkpoints/, metrics, config, sample ids) and
+    nothing else: ``out`` may hold the user's own files."""
+    import shutil
+
+    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
+    for name in os.listdir(out):
+        if name in ("metrics.jsonl", "config.json") or _sample_log_process(name) is not None:
+            os.remove(os.path.join(out, name))
+
+
+def latest_jaxdp_checkpoint(out: str) -> Optional[int]:
+    """The newest complete checkpoint's step in ``out``, read from the folder names (orbax
+    names a complete save by its step; one in progress has a temporary suffix)."""
+    directory = os.path.join(out, "checkpoints")
+    if not os.path.isdir(directory):
+        return None
+    steps = [int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
+    return max(steps, default=None)
 
 
 def _resume_position(meta: dict, data_position, steps_per_epoch: int, is_main: bool):
@@ -411,6 +611,7 @@ def _report(pending, log, bar, global_batch, t_last):
 
 def _check_fingerprint(saved: dict, current: dict, where: str) -> None:
     saved = {k: v for k, v in saved.items() if k != "steps_per_epoch"}  # older checkpoints: now in "data"
+    saved = {**TrainConfig().fingerprint(), **saved}  # options added since it was written: their defaults
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
     if diffs:

@@ -1,19 +1,31 @@
-"""The trainer and CLI: bit-exact resume, and clear one-line errors for bad input."""
+"""The trainer and CLI: bit-exact resume (Ctrl-C included), run directories, every strategy
+end to end, and one-line errors for bad input."""
 
 import dataclasses
 import json
+import math
 import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+import jaxdp.train as train_module
 from jaxdp.cli import main
 from jaxdp.config import TrainConfig
 from jaxdp.train import train
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(width=4, blocks=(1, 1, 1, 1), synthetic_size=(256, 64), global_batch_size=32, devices=2,
             epochs=2, lr=0.05, progress=False)
+# The CLI's smallest run: one epoch of 4 steps of 16 images (over 2 devices for jaxdp).
+SMOKE_ANY = ["--width", "4", "--blocks", "1,1,1,1", "--synthetic-size", "64,32", "--global-batch-size", "16",
+             "--epochs", "1", "--no-progress"]
+SMOKE = [*SMOKE_ANY, "--devices", "2"]
 
 
 def read_records(out, kind="train"):
@@ -21,21 +33,72 @@ def read_records(out, kind="train"):
         return [r for r in map(json.loads, f) if r["kind"] == kind]
 
 
-def test_interrupted_and_resumed_run_is_bit_exact(tmp_path):
-    whole = TrainConfig(out=str(tmp_path / "whole"), **TINY)
-    expected = train(whole)
+def math_records(out):
+    """Every record of metrics.jsonl without its timing."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "images_per_sec"} for line in f]
 
-    split = dataclasses.replace(whole, out=str(tmp_path / "split"))
+
+def checkpoint_steps(out):
+    directory = os.path.join(out, "checkpoints")
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference for every resume test: TINY trained for 16 steps without a break."""
+    cfg = TrainConfig(out=str(tmp_path_factory.mktemp("whole")), **TINY)
+    return cfg, train(cfg)
+
+
+def assert_same_run(out, resumed, uninterrupted):
+    """The interrupted + resumed run in ``out`` is the uninterrupted one, bit for bit."""
+    whole, expected = uninterrupted
+    losses = [r["loss"] for r in read_records(whole.out)]
+    assert len(losses) == 16
+    assert [r["loss"] for r in read_records(out)] == losses  # exact, float32 included
+    assert read_records(out, "eval") == read_records(whole.out, "eval")
+    for a, b in zip(jax.tree_util.tree_leaves(resumed["state"]), jax.tree_util.tree_leaves(expected["state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- resume and Ctrl-C
+
+def test_interrupted_and_resumed_run_is_bit_exact(tmp_path, uninterrupted):
+    split = dataclasses.replace(uninterrupted[0], out=str(tmp_path))
     first = train(split, stop_after_steps=5)  # mid-epoch: 8 steps per epoch
     assert first["interrupted"]
     resumed = train(dataclasses.replace(split, resume=True))
+    assert_same_run(split.out, resumed, uninterrupted)
 
-    losses = [r["loss"] for r in read_records(whole.out)]
-    assert len(losses) == 16
-    assert [r["loss"] for r in read_records(split.out)] == losses  # exact, float32 included
-    assert read_records(split.out, "eval") == read_records(whole.out, "eval")
-    for a, b in zip(jax.tree_util.tree_leaves(resumed["state"]), jax.tree_util.tree_leaves(expected["state"])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+@pytest.mark.parametrize("how", ["raise", "sigint"])
+def test_ctrl_c_while_a_record_is_written_checkpoints_the_step_in_hand(how, tmp_path, uninterrupted, monkeypatch):
+    """The loop reads step s's loss (``_report``) while step s+1 runs, so that is where most
+    Ctrl-Cs land. The checkpoint must hold step s+1 under its own number, with both records
+    written: then the resumed run is the uninterrupted one. 'raise': a KeyboardInterrupt
+    raised right there; 'sigint': a real Ctrl-C, which the trainer defers to the step's end."""
+    report, calls = train_module._report, []
+
+    def interrupted_report(*args):
+        calls.append(args[0][0])
+        if len(calls) == 4:  # step 4's record, with step 5 already dispatched
+            if how == "raise":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
+        return report(*args)
+
+    monkeypatch.setattr(train_module, "_report", interrupted_report)
+    split = dataclasses.replace(uninterrupted[0], out=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt) as interrupt:
+        train(split)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the trainer's handler is gone
+    assert interrupt.value.checkpointed_step == 5
+    assert checkpoint_steps(split.out) == [5]
+    assert [r["step"] for r in read_records(split.out)] == [1, 2, 3, 4, 5]
+    resumed = train(dataclasses.replace(split, resume=True))
+    assert_same_run(split.out, resumed, uninterrupted)
 
 
 def test_resume_refuses_a_different_config(tmp_path, capsys):
@@ -55,29 +118,159 @@ def test_loss_falls_on_the_synthetic_set(tmp_path):
     assert result["eval"]["count"] == 256
 
 
+# ----------------------------------------------------------------------------- the run directory
+
+def earlier_run(out):
+    """What an earlier run left in ``out`` (its step-7 checkpoint as orbax names it), and a
+    file of the user's own."""
+    os.makedirs(out / "checkpoints" / "7")
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 7, "loss": 1.0}\n')
+    (out / "config.json").write_text("{}")
+    (out / "sample_ids.p3.jsonl").write_text("{}\n")
+    (out / "notes.txt").write_text("mine")
+
+
+def test_a_fresh_run_refuses_an_out_with_checkpoints_unless_told_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    earlier_run(out)
+    before = sorted(os.listdir(out))
+    assert main(["train", *SMOKE, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxdp: error: {out} already holds checkpoints of an earlier run (latest step 7): pass --resume "
+        "to continue it, --overwrite to start over, or another --out\n")
+    assert main(["train", *SMOKE, "--out", str(out), "--overwrite", "--global-batch-size", "15"]) == 2
+    assert sorted(os.listdir(out)) == before and checkpoint_steps(out) == [7]  # bad input deletes nothing
+
+    assert main(["train", *SMOKE, "--out", str(out), "--overwrite"]) == 0
+    assert checkpoint_steps(out) == [4]
+    assert [r["step"] for r in read_records(out)] == [1, 2, 3, 4]
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+# ----------------------------------------------------------------------------- bad input
+
+MISSING_CIFAR = ["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--global-batch-size", "30", "--devices", "4"], "not divisible by devices x accumulation steps = 4 x 1"),
-    (["--strategy", "zero9"], "unknown strategy 'zero9'; choose one of ddp, zero1, zero2, zero3, hsdp, dp, async"),
-    (["--model", "resnet9"], "unknown model 'resnet9'; choose one of resnet18, resnet34, resnet50"),
-    (["--optimizer", "lamb"], "lamb"),
-    (["--schedule", "poly"], "poly"),
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+    (["--accum-steps", "0"], "--accum-steps must be >= 1, got 0"),
+    (["--devices", "-1"], "--devices must be >= 1 (omit it to use every device), got -1"),
+    (["--devices", "0"], "--devices must be >= 1 (omit it to use every device), got 0"),
+    (["--synthetic-size", "64"], "--synthetic-size takes two positive counts train,test"),
+    (["--synthetic-size", "8,4", "--global-batch-size", "16", "--devices", "2"],
+     "dataset of 8 samples is too small for 2 replicas x 8 per replica"),
+    (["--epochs", "-1"], "--epochs must be >= 1, got -1"),
+    (["--stem", "imagenet", "--global-batch-size", "2", "--devices", "2"],
+     "1 image per device is too few for --stem imagenet: batchnorm in training needs more than 1 value"),
+    (["--schedule", "multistep"], "--schedule multistep needs --milestones"),
+    (["--schedule", "multistep", "--milestones", "1"], "--milestones 1 never take effect"),
+    (["--powersgd-start-iter", "2"], "--powersgd-start-iter applies to --compress powersgd only"),
+    (["--resume", "--overwrite"], "pass one of them"),
+    # Names are checked before the dataset loads: these would otherwise fail on the missing CIFAR-10.
+    ([*MISSING_CIFAR, "--strategy", "zero9"],
+     "unknown strategy 'zero9'; choose one of ddp, zero1, zero2, zero3, hsdp, dp, async"),
+    ([*MISSING_CIFAR, "--model", "resnet9"], "unknown model 'resnet9'; choose one of resnet18, resnet34, resnet50"),
+    ([*MISSING_CIFAR, "--optimizer", "lamb"], "unknown optimizer 'lamb'; choose one of sgd, adam, adamw"),
+    ([*MISSING_CIFAR, "--schedule", "poly"], "unknown schedule 'poly'; choose one of constant, cosine"),
     (["--dataset", "mnist"], "mnist"),
-    (["--devices", "64"], "xla_force_host_platform_device_count"),
-    (["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "cifar-10"),
+    (MISSING_CIFAR, "or pass --download"),
 ])
-def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message):
-    code = main(["train", "--out", str(tmp_path), "--no-progress", *args])
+def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--no-progress", *args])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith("jaxdp: error: ") and err.count("\n") == 1
+    assert err.startswith("jaxdp: error: ") and err.count("\n") == 1, err
     assert message.lower() in err.lower()
-    assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "0"))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("xla_flags, devices, message", [
+    # XLA_FLAGS fixes 2 CPU devices: --devices 4 cannot have them.
+    ("--xla_force_host_platform_device_count=2", "4",
+     "asked for 4 devices but only 2 are available: XLA_FLAGS sets --xla_force_host_platform_device_count=2"),
+    # Nothing fixed: --devices 3 simulates 3 (the mesh holds 3, so 16 does not divide).
+    ("", "3", "global batch 16 is not divisible by devices x accumulation steps = 3 x 1"),
+])
+def test_devices_on_cpu_simulates_them_unless_xla_flags_fixed_the_count(tmp_path, xla_flags, devices, message):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdp.cli", "train", "--devices", devices, "--global-batch-size", "16",
+         "--out", str(out), "--no-progress"],
+        cwd=ROOT, env=dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("jaxdp: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert message in proc.stderr
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- options end to end
+
+@pytest.mark.parametrize("strategy_args", [
+    ["--strategy", "dp"],
+    ["--strategy", "ddp", "--allreduce", "ring", "--compress", "bf16"],
+    ["--strategy", "async", "--staleness", "2"],
+], ids=["dp", "ddp-ring-bf16", "async-staleness-2"])
+def test_strategy_trains_evaluates_checkpoints_and_resumes_from_the_cli(tmp_path, strategy_args):
+    """4 steps with a checkpoint at step 2; resumed from it (step 4's deleted), the run
+    replays steps 3-4 and the evaluation exactly."""
+    out = tmp_path / "run"
+    args = ["train", *SMOKE, *strategy_args, "--checkpoint-every", "2", "--out", str(out)]
+    assert main(args) == 0
+    full = math_records(out)
+    assert [r["step"] for r in full if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in full)
+    assert full[-1]["kind"] == "eval" and full[-1]["count"] == 32
+    assert checkpoint_steps(out) == [2, 4]
+
+    shutil.rmtree(out / "checkpoints" / "4")
+    assert main([*args, "--resume"]) == 0
+    assert math_records(out) == full
+
+
+def test_powersgd_start_iter_makes_a_short_run_compress(tmp_path):
+    """PowerSGD averages plainly for its first start_iter steps (torch's default 1000). With
+    --powersgd-start-iter 2 the third update is compressed: the losses agree with the
+    default run's through step 3 (computed before that update) and differ at step 4."""
+    losses = {}
+    for start in ("2", "1000"):
+        out = tmp_path / start
+        assert main(["train", *SMOKE, "--compress", "powersgd", "--powersgd-start-iter", start,
+                     "--out", str(out)]) == 0
+        losses[start] = [r["loss"] for r in read_records(out)]
+    assert losses["2"][:3] == losses["1000"][:3]
+    assert losses["2"][3] != losses["1000"][3]
+
+
+def multisteplr_per_epoch(lr, milestones, gamma, epochs, steps_per_epoch):
+    """Each update's lr under torch's MultiStepLR stepped once per epoch (the usual recipe)."""
+    import torch
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=gamma)
+    lrs = []
+    for _ in range(epochs):
+        lrs += [opt.param_groups[0]["lr"]] * steps_per_epoch
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_multistep_milestones_are_epochs(tmp_path):
+    multistep = ["--epochs", "3", "--lr", "0.1", "--schedule", "multistep", "--milestones", "1,2", "--gamma", "0.5"]
+    assert main(["train", *SMOKE, *multistep, "--out", str(tmp_path / "jaxdp")]) == 0
+    expected = multisteplr_per_epoch(0.1, [1, 2], 0.5, epochs=3, steps_per_epoch=4)
+    np.testing.assert_allclose([r["lr"] for r in read_records(tmp_path / "jaxdp")], expected,
+                               rtol=1e-7)  # jaxdp's lr is float32
 
 
 def quickstart_args():
     """The exact arguments `make train` (the README's quickstart) passes to `jaxdp train`."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "Makefile")) as f:
+    with open(os.path.join(ROOT, "Makefile")) as f:
         text = f.read().replace("\\\n", " ")
     line = next(l for l in text.splitlines() if l.startswith("QUICKSTART_ARGS"))
     return line.split(":=", 1)[1].split()

@@ -70,7 +70,7 @@ def load_cifar10(data_dir: str, download: bool = False,
     if found is None:
         raise DatasetError(
             f"CIFAR-10 not found in {os.path.abspath(data_dir)}: "
-            f"{_how_to_get(data_dir)}, or pass download=True"
+            f"{_how_to_get(data_dir)}, or pass --download (download=True) to fetch it"
         )
     return read_cifar10(found[1])
 

@@ -69,6 +69,11 @@ class BatchNorm(nn.Module):
             # Equal shard sizes, so the mean of means is the global mean.
             mean = jax.lax.pmean(mean, self.axis_name)
             count *= jax.lax.axis_size(self.axis_name)
+        if count < 2:  # the unbiased running variance divides by count - 1
+            from jaxdp.models import ModelError  # the package imports this module first
+
+            raise ModelError(f"BatchNorm in training needs more than 1 value per channel (batch x height x width"
+                             f"{' x devices' if self.axis_name else ''}), got {count} for input shape {xs.shape}")
         var = jnp.square(xs - mean).mean(reduce_axes)
         if self.axis_name is not None:
             var = jax.lax.pmean(var, self.axis_name)
