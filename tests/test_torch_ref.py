@@ -10,8 +10,10 @@ BN statistics), the per-rank gradients are averaged, one ``torch.optim`` step fo
 the BN running stats are rank 0's. In float64 every strategy must match it to 1e-12.
 """
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -48,6 +50,10 @@ CASES = {
     "zero3": (2, dict(strategy="zero3", **ADAM)),
     "hsdp": (4, dict(strategy="hsdp", mesh_shape=(2, 2), **SGD)),
 }
+# These run again on 4 ranks, for the reference comparison only (PARITY_STEPS steps each:
+# whether a strategy trains does not depend on the world size, and is checked at 2).
+AT_WORLD_4 = ("ddp", "zero1", "zero2", "zero3")
+PARITY_RUNS = [(name, world) for name, (world, _) in CASES.items()] + [(name, 4) for name in AT_WORLD_4]
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -80,15 +86,18 @@ def init_state():
 
 @pytest.fixture(scope="module")
 def runs(init_state):
-    """Launch each case once, lazily; {name: rank 0's step records}."""
+    """Launch each case once per world size, lazily; (name, world) -> rank 0's step records.
+    A world size other than the case's own runs PARITY_STEPS steps only."""
     cache = {}
 
-    def get(name):
-        if name not in cache:
-            world, config = CASES[name]
-            cache[name] = run_steps(world, dict(MODEL, **config), init_state, batches(world),
-                                    collect=range(PARITY_STEPS), timeout_s=180)
-        return cache[name]
+    def get(name, world=None):
+        own_world, config = CASES[name]
+        world = world or own_world
+        if (name, world) not in cache:
+            steps = STEPS if world == own_world else PARITY_STEPS
+            cache[name, world] = run_steps(world, dict(MODEL, **config), init_state, batches(world, steps),
+                                           collect=range(PARITY_STEPS), timeout_s=180)
+        return cache[name, world]
 
     return get
 
@@ -190,13 +199,15 @@ def assert_loss_falls(records, label: str) -> None:
 
 # ----------------------------------------------------------------------------- strategies
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_strategy_matches_single_process_reference(name, runs, init_state):
-    world, config = CASES[name]
-    records = runs(name)
-    assert len(records) == STEPS and all("params" in r for r in records[:PARITY_STEPS])
-    assert "params" not in records[-1]  # collect= kept the other steps light
-    assert_matches_reference(records, reference(dict(MODEL, **config), init_state, world), name)
+@pytest.mark.parametrize("name, world", PARITY_RUNS, ids=[f"{n}-world{w}" for n, w in PARITY_RUNS])
+def test_strategy_matches_single_process_reference(name, world, runs, init_state):
+    config = CASES[name][1]
+    records = runs(name, world)
+    assert len(records) == (STEPS if world == CASES[name][0] else PARITY_STEPS)
+    assert all("params" in r for r in records[:PARITY_STEPS])
+    if len(records) > PARITY_STEPS:
+        assert "params" not in records[-1]  # collect= kept the other steps light
+    assert_matches_reference(records, reference(dict(MODEL, **config), init_state, world), f"{name} on {world}")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -349,3 +360,121 @@ def test_torchrun_zero3_writes_metrics_and_checkpoints_and_resumes(tmp_path):
     _torchrun(["--resume"], out)
     resumed = _records(out / "metrics.jsonl")
     assert resumed == full
+
+
+# ----------------------------------------------------------------------------- the trainer in this process
+
+# One epoch of 4 steps of 16 images, in a world of one (no torchrun).
+TRAINER = ["--strategy", "ddp", "--width", "4", "--blocks", "1,1,1,1", "--synthetic-size", "64,32",
+           "--global-batch-size", "16", "--epochs", "1", "--no-progress"]
+
+
+@pytest.fixture
+def world_of_one():
+    """``torch_ref.train.train`` joins a process group of one; leave none behind (the dp
+    test above relies on there being none)."""
+    from torch_ref import dist as tdist
+
+    yield
+    tdist.shutdown()
+
+
+def _state(summary) -> dict:
+    return {k: v.detach().clone() for k, v in summary["runner"].parallel.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("how", ["raise", "sigint"])
+def test_ctrl_c_checkpoints_the_step_in_hand(how, tmp_path, monkeypatch, world_of_one):
+    """'raise': a KeyboardInterrupt while step 3's record is written (its loss averaged over
+    ranks), 'sigint': a real Ctrl-C right after step 3's optimizer update. Either way the
+    checkpoint holds step 3 under its own number, with its record, and resuming gives the
+    uninterrupted run exactly."""
+    from torch_ref import train as torch_train
+    from torch_ref.step_api import Runner
+
+    whole = torch_train.parse_args([*TRAINER, "--epochs", "2", "--out", str(tmp_path / "whole")])
+    expected = torch_train.train(whole)
+    calls = []
+
+    def interrupt_third_call(real):
+        def call(*args):
+            calls.append(1)
+            if len(calls) == 3 and how == "raise":
+                raise KeyboardInterrupt
+            out = real(*args)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return out
+        return call
+
+    if how == "raise":
+        monkeypatch.setattr(torch_train.tdist, "all_reduce_sum", interrupt_third_call(torch_train.tdist.all_reduce_sum))
+    else:
+        monkeypatch.setattr(Runner, "update", interrupt_third_call(Runner.update))
+    split = dataclasses.replace(whole, out=str(tmp_path / "split"))
+    with pytest.raises(KeyboardInterrupt) as interrupt:
+        torch_train.train(split)
+    monkeypatch.undo()
+    assert interrupt.value.checkpointed_step == 3
+    assert [r["step"] for r in _records(tmp_path / "split" / "metrics.jsonl")] == [1, 2, 3]
+    resumed = torch_train.train(dataclasses.replace(split, resume=True))
+    assert _records(tmp_path / "split" / "metrics.jsonl") == _records(tmp_path / "whole" / "metrics.jsonl")
+    want = _state(expected)
+    for name, value in _state(resumed).items():
+        assert torch.equal(value, want[name]), name
+
+
+def test_a_fresh_run_refuses_an_out_with_checkpoints_unless_told_to_overwrite(tmp_path, capsys):
+    from torch_ref.train import main
+
+    out = tmp_path / "run"
+    os.makedirs(out / "checkpoints")
+    (out / "checkpoints" / "step_00000007.pt").write_bytes(b"an earlier run's")
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 7, "loss": 1.0}\n')
+    (out / "notes.txt").write_text("mine")
+    assert main([*TRAINER, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"torch_ref: error: {out} already holds checkpoints of an earlier run (latest step 7): pass --resume "
+        "to continue it, --overwrite to start over, or another --out\n")
+    assert main([*TRAINER, "--out", str(out), "--overwrite"]) == 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000004.pt"]
+    assert [r["step"] for r in _records(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+MISSING_CIFAR = ["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+    (["--accum-steps", "0"], "--accum-steps must be >= 1, got 0"),
+    (["--devices", "0"], "--devices must be >= 1 (omit it to use every device), got 0"),
+    (["--synthetic-size", "64"], "--synthetic-size takes two positive counts"),
+    (["--synthetic-size", "8,4", "--global-batch-size", "16"], "dataset of 8 samples is too small"),
+    (["--epochs", "-1"], "--epochs must be >= 1, got -1"),
+    (["--stem", "imagenet", "--global-batch-size", "1"],
+     "1 image per device is too few for --stem imagenet: expected more than 1 value per channel"),
+    (["--schedule", "multistep"], "--schedule multistep needs --milestones"),
+    (["--powersgd-start-iter", "2"], "--powersgd-start-iter applies to --compress powersgd only"),
+    ([*MISSING_CIFAR, "--strategy", "zero9"], "unknown strategy 'zero9'"),
+    ([*MISSING_CIFAR, "--model", "resnet9"], "unknown model 'resnet9'"),
+    ([*MISSING_CIFAR, "--optimizer", "lamb"], "unknown optimizer 'lamb'"),
+    ([*MISSING_CIFAR, "--schedule", "poly"], "unknown schedule 'poly'"),
+    (MISSING_CIFAR, "or pass --download"),
+])
+def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, capsys, args, message):
+    from torch_ref.train import main
+
+    out = tmp_path / "run"
+    assert main(["--out", str(out), "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torch_ref: error: ") and err.count("\n") == 1, err
+    assert message.lower() in err.lower()
+    assert not out.exists()
+
+
+def test_powersgd_start_iter_reaches_the_hook():
+    from torch_ref.train import parse_args, runner_config
+
+    cfg = parse_args(["--compress", "powersgd", "--powersgd-start-iter", "2"])
+    assert runner_config(cfg, steps_per_epoch=4)["powersgd_start_iter"] == 2

@@ -260,12 +260,16 @@ def multisteplr_per_epoch(lr, milestones, gamma, epochs, steps_per_epoch):
     return lrs
 
 
-def test_multistep_milestones_are_epochs(tmp_path):
+def test_multistep_milestones_are_epochs_in_both_trainers(tmp_path):
+    from torch_ref.train import main as torch_ref_main
+
     multistep = ["--epochs", "3", "--lr", "0.1", "--schedule", "multistep", "--milestones", "1,2", "--gamma", "0.5"]
     assert main(["train", *SMOKE, *multistep, "--out", str(tmp_path / "jaxdp")]) == 0
+    assert torch_ref_main([*SMOKE_ANY, *multistep, "--out", str(tmp_path / "torch")]) == 0  # one process
     expected = multisteplr_per_epoch(0.1, [1, 2], 0.5, epochs=3, steps_per_epoch=4)
     np.testing.assert_allclose([r["lr"] for r in read_records(tmp_path / "jaxdp")], expected,
                                rtol=1e-7)  # jaxdp's lr is float32
+    assert [r["lr"] for r in read_records(tmp_path / "torch")] == expected
 
 
 def quickstart_args():

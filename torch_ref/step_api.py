@@ -16,7 +16,8 @@ Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)
   ``MixedPrecisionPolicy`` on CUDA, ``torch.autocast`` otherwise)
 - optimizer: ``optimizer`` (sgd | adam | adamw), ``lr``, ``momentum``, ``nesterov``,
   ``weight_decay``, ``betas``, ``eps``; schedule: ``schedule``, ``total_steps``,
-  ``warmup_steps`` (``LambdaLR`` over ``jaxdp.optim.torch_lr_lambda``)
+  ``warmup_steps``, ``milestones`` (in updates), ``gamma`` (``LambdaLR`` over
+  ``jaxdp.optim.torch_lr_lambda``)
 - ``accum_steps`` (micro-batches per update; DDP ``no_sync`` / FSDP2
   ``set_requires_gradient_sync(False)`` on all but the last), ``sync_bn`` (CUDA only)
 - ddp/zero1: ``bucket_cap_mb``, ``compress`` (alias ``comm_hook``: None | bf16 | fp16 |
@@ -56,7 +57,7 @@ DEFAULTS: Dict[str, Any] = {
     "dtype": "float32",
     "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0,
     "betas": (0.9, 0.999), "eps": 1e-8,
-    "schedule": "constant", "total_steps": 1, "warmup_steps": 0,
+    "schedule": "constant", "total_steps": 1, "warmup_steps": 0, "milestones": (), "gamma": 0.1,
     "accum_steps": 1, "sync_bn": False, "seed": 0,
     "bucket_cap_mb": 25.0, "compress": None, "powersgd_rank": 1, "powersgd_start_iter": 1000,
     "powersgd_q": None, "powersgd_seed": 0,
@@ -217,5 +218,6 @@ def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]
         parallel, cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"], nesterov=cfg["nesterov"],
         weight_decay=cfg["weight_decay"], betas=cfg["betas"], eps=cfg["eps"])
     scheduler = strategies.make_scheduler(optimizer, cfg["schedule"], cfg["lr"], cfg["total_steps"],
-                                          warmup_steps=cfg["warmup_steps"])
+                                          warmup_steps=cfg["warmup_steps"], milestones=cfg["milestones"],
+                                          gamma=cfg["gamma"])
     return Runner(cfg, parallel, optimizer, scheduler)

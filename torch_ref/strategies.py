@@ -475,7 +475,7 @@ def make_optimizer(parallel: Parallel, name: str, lr: float, *, momentum: float 
 
 
 def make_scheduler(optimizer, schedule: str, lr: float, total_steps: int, *,
-                   warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+                   warmup_steps: int = 0, milestones=(), gamma: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` with ``jaxdp.optim.torch_lr_lambda``: the lr of the k-th update is the
     same number jaxdp's optax schedule gives (call ``scheduler.step()`` once per update).
     ``constant`` needs no formula, which spares every rank the JAX import."""
@@ -485,7 +485,8 @@ def make_scheduler(optimizer, schedule: str, lr: float, total_steps: int, *,
         from jaxdp.optim import ConfigError, torch_lr_lambda
 
         try:
-            factor = torch_lr_lambda(schedule, lr, total_steps, warmup_steps=warmup_steps)
+            factor = torch_lr_lambda(schedule, lr, total_steps, warmup_steps=warmup_steps,
+                                     milestones=milestones, gamma=gamma)
         except ConfigError as e:
             raise StrategyError(str(e)) from None
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -35,20 +35,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jaxdp.config import TrainConfig
+from jaxdp.config import TrainConfig, TrainError, check_choice, check_config
+from jaxdp.train import (DeferredInterrupt, TrainingAborted, batchnorm_batch_error, epoch_length,
+                         interrupted_message, per_device_batch, refuse_earlier_run, remove_run_files)
 from torch_ref import checkpoint as ckpt
 from torch_ref import dist as tdist
 from torch_ref.step_api import DTYPES, Runner, build, to_torch_batch
-from torch_ref.strategies import StrategyError
-
-
-class TrainError(ValueError):
-    """A configuration that cannot be trained, caught before any work is done."""
+from torch_ref.strategies import OPTIMIZERS, STRATEGIES, StrategyError
 
 
 # ----------------------------------------------------------------------------- set-up
 
-def runner_config(cfg: TrainConfig, total_steps: int) -> dict:
+def runner_config(cfg: TrainConfig, steps_per_epoch: int) -> dict:
     """The ``step_api`` config for a ``TrainConfig``."""
     defaults = TrainConfig()
     if cfg.allreduce != defaults.allreduce:
@@ -59,10 +57,12 @@ def runner_config(cfg: TrainConfig, total_steps: int) -> dict:
     out = dict(strategy=cfg.strategy, model=cfg.model, width=cfg.width, blocks=cfg.blocks,
                stem=cfg.stem, dtype=cfg.dtype, optimizer=cfg.optimizer, lr=cfg.lr,
                momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-               schedule=cfg.schedule, total_steps=total_steps, warmup_steps=cfg.warmup_steps,
+               schedule=cfg.schedule, total_steps=steps_per_epoch * cfg.epochs,
+               **cfg.schedule_options(steps_per_epoch),
                accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, seed=cfg.seed,
                bucket_cap_mb=cfg.bucket_cap_mb, compress=cfg.compress,
-               powersgd_rank=cfg.powersgd_rank, mesh_shape=cfg.mesh_shape)
+               powersgd_rank=cfg.powersgd_rank, powersgd_start_iter=cfg.powersgd_start_iter,
+               mesh_shape=cfg.mesh_shape)
     if cfg.strategy == "dp":
         out["devices"] = cfg.devices
     return out
@@ -84,21 +84,45 @@ def data_layout(cfg: TrainConfig):
 
 
 def _setup(cfg: TrainConfig):
+    """As ``jaxdp.train._setup``: everything that can be refused is, before the dataset
+    loads and before anything is written."""
     from jaxdp.data import load_dataset
-    from jaxdp.data.loader import steps_per_epoch
 
     if cfg.dtype not in DTYPES:
         raise TrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    check_choice("strategy", cfg.strategy, STRATEGIES)
+    check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    if cfg.schedule != "constant":  # only the others need jaxdp.optim, and so jax, at all
+        from jaxdp.optim import SCHEDULES
+
+        check_choice("schedule", cfg.schedule, SCHEDULES)
     replicas, rows = data_layout(cfg)
-    if cfg.global_batch_size % (replicas * cfg.accum_steps):
-        raise TrainError(
-            f"global batch {cfg.global_batch_size} is not divisible by devices x accumulation steps"
-            f" = {replicas} x {cfg.accum_steps}; pick a multiple of {replicas * cfg.accum_steps}")
+    per_device = per_device_batch(cfg, replicas)
+    _check_model(cfg, replicas)
     train_set, test_set = load_dataset(cfg.dataset, cfg.data_dir, cfg.download, tuple(cfg.synthetic_size), cfg.seed)
-    per_device = cfg.global_batch_size // replicas
-    steps = steps_per_epoch(len(train_set), replicas, per_device)
-    runner = build(runner_config(cfg, steps * cfg.epochs))  # torch init under manual_seed(seed)
+    steps = epoch_length(len(train_set), replicas, per_device)
+    runner = build(runner_config(cfg, steps))  # torch init under manual_seed(seed)
     return runner, train_set, test_set, replicas, rows, per_device, steps
+
+
+def _check_model(cfg: TrainConfig, replicas: int) -> None:
+    """The model's options, and BatchNorm's need for more than one value per channel,
+    checked on the meta device (shapes only). Only a micro-batch of one image can fall
+    short (see ``jaxdp.train._check_batchnorm_batch``); torch would raise at the first step."""
+    from torch_ref.models import resnet
+
+    with torch.device("meta"):
+        try:
+            model = resnet(cfg.model, width=cfg.width, blocks=cfg.blocks, stem=cfg.stem)
+        except ValueError as e:  # unknown model or stem, bad width or blocks
+            raise TrainError(str(e)) from None
+        micro_batch = cfg.global_batch_size // (replicas * cfg.accum_steps)
+        if micro_batch > 1 or (cfg.sync_bn and replicas > 1):
+            return
+        try:
+            model.train()(torch.empty(micro_batch, 3, 32, 32))
+        except ValueError as e:  # "Expected more than 1 value per channel when training, ..."
+            raise batchnorm_batch_error(cfg, replicas, e) from None
 
 
 def batch_to_torch(runner: Runner, images: np.ndarray, labels: np.ndarray):
@@ -169,6 +193,7 @@ class MetricsLog:
 
 
 def _check_fingerprint(saved: dict, current: dict, where: str) -> None:
+    saved = {**TrainConfig().fingerprint(), **saved}  # options added since it was written: their defaults
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
     if diffs:
@@ -179,16 +204,22 @@ def _check_fingerprint(saved: dict, current: dict, where: str) -> None:
 
 def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
     """Train ``cfg`` in the current process group (world 1 if none is initialised);
-    returns a summary. ``stop_after_steps`` simulates an interruption: checkpoint, return."""
+    returns a summary. ``stop_after_steps`` simulates an interruption: checkpoint, return.
+    Ctrl-C in a world of one: as ``jaxdp.train.train``."""
     from tqdm.auto import tqdm
 
     from jaxdp.data import Prefetcher, epoch_batches
 
     tdist.init()
+    check_config(cfg)
+    ckpt_dir = os.path.join(cfg.out, "checkpoints")
+    earlier = ckpt.checkpoints(ckpt_dir)
+    earlier_run = refuse_earlier_run(cfg, earlier[-1][0] if earlier else None)
     runner, train_set, test_set, replicas, rows, per_device, steps_per_epoch = _setup(cfg)
     is_main = tdist.rank() == 0
+    if earlier_run and is_main:  # --overwrite, and the new run is valid: only now delete the old one
+        remove_run_files(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
-    ckpt_dir = os.path.join(cfg.out, "checkpoints")
     fingerprint = dict(json.loads(json.dumps(cfg.fingerprint())), steps_per_epoch=steps_per_epoch)
 
     start_epoch, start_step = 0, 0
@@ -203,60 +234,88 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             f.write(dataclasses.replace(cfg, devices=replicas).to_json())
     log = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), is_main, global_step if cfg.resume else 0)
+    position = (start_epoch, start_step)  # (epoch, steps of it done) of the state in hand
+    saved = (global_step, position)  # what the newest checkpoint holds
+    unlogged = None  # (epoch, loss, correct, lr) of a step whose record is not written yet
+    t_last = time.perf_counter()
 
-    def save(epoch, step_in_epoch):
-        meta = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
+    def save():
+        nonlocal saved
+        meta = {"epoch": position[0], "step_in_epoch": position[1], "global_step": global_step,
                 "fingerprint": fingerprint}
         ckpt.save(ckpt_dir, global_step, runner.parallel, runner.optimizer, runner.scheduler, meta)
+        saved = (global_step, position)
+
+    def write_record(bar):
+        """The record of the step in hand (a collective: the loss is averaged over ranks)."""
+        nonlocal unlogged, t_last
+        epoch, loss, correct, lr = unlogged
+        loss_sum, correct_sum = tdist.all_reduce_sum([float(loss), float(correct)], runner.parallel.device)
+        now = time.perf_counter()
+        ips = cfg.global_batch_size / max(now - t_last, 1e-9)
+        t_last = now
+        record = {"kind": "train", "epoch": epoch + 1, "step": global_step,
+                  "loss": float(loss_sum) / tdist.world_size(),
+                  "accuracy": float(correct_sum) / cfg.global_batch_size, "lr": lr, "images_per_sec": ips}
+        log.write(record)
+        unlogged = None
+        if bar is not None:
+            bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{ips:,.0f}")
+            bar.update(1)
 
     summary = {"steps": 0, "eval": None, "interrupted": False}
+    # Under torchrun the ranks stop at different points, and a gathering save could wait forever.
+    interrupt = DeferredInterrupt("torch_ref", enabled=tdist.world_size() == 1)
     t_start = time.perf_counter()
     try:
-        for epoch in range(start_epoch, cfg.epochs):
-            first = start_step if epoch == start_epoch else 0
-            batches = Prefetcher(
-                epoch_batches(train_set, num_replicas=replicas, batch_per_replica=per_device,
-                              epoch=epoch, seed=cfg.seed, start_step=first, ranks=rows),
-                transform=lambda b: batch_to_torch(runner, b.images, b.labels))
-            bar = tqdm(total=steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                       disable=not (cfg.progress and is_main), unit="step", dynamic_ncols=True)
-            t_last = time.perf_counter()
-            for step_in_epoch, (x, y) in enumerate(batches, start=first):
-                loss, correct, lr = runner.forward_backward(x, y)
-                runner.update()
-                global_step += 1
-                loss_sum, correct_sum = tdist.all_reduce_sum([float(loss), float(correct)], x.device)
-                now = time.perf_counter()
-                ips = cfg.global_batch_size / max(now - t_last, 1e-9)
-                t_last = now
-                record = {"kind": "train", "epoch": epoch + 1, "step": global_step,
-                          "loss": float(loss_sum) / tdist.world_size(),
-                          "accuracy": float(correct_sum) / cfg.global_batch_size, "lr": lr,
-                          "images_per_sec": ips}
-                log.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{ips:,.0f}")
-                bar.update(1)
-                if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0:
-                    save(epoch, step_in_epoch + 1)
-                if stop_after_steps is not None and global_step >= stop_after_steps:
-                    bar.close()
-                    batches.close()
-                    save(epoch, step_in_epoch + 1)
-                    summary.update(interrupted=True, steps=global_step)
-                    return summary
-            bar.close()
-            batches.close()
-            result = evaluate(runner, test_set, replicas, rows, per_device)
-            log.write({"kind": "eval", "epoch": epoch + 1, "step": global_step, **result})
-            if is_main:
-                tqdm.write(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
-            summary["eval"] = result
-            save(epoch + 1, 0)
-    except KeyboardInterrupt:
-        # One process: the state in hand is consistent, keep it. Under torchrun the ranks
-        # stop at different points, and a gathering save could wait forever.
-        if tdist.world_size() == 1:
-            save(*divmod(global_step, steps_per_epoch))
+        with interrupt:
+            for epoch in range(start_epoch, cfg.epochs):
+                first = start_step if epoch == start_epoch else 0
+                batches = Prefetcher(
+                    epoch_batches(train_set, num_replicas=replicas, batch_per_replica=per_device,
+                                  epoch=epoch, seed=cfg.seed, start_step=first, ranks=rows),
+                    transform=lambda b: batch_to_torch(runner, b.images, b.labels))
+                bar = tqdm(total=steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                           disable=not (cfg.progress and is_main), unit="step", dynamic_ncols=True)
+                t_last = time.perf_counter()
+                for step_in_epoch, (x, y) in enumerate(batches, start=first):
+                    loss, correct, lr = runner.forward_backward(x, y)
+                    runner.update()
+                    global_step += 1  # at once: the state in hand is this step's (see jaxdp.train)
+                    position = (epoch, step_in_epoch + 1)
+                    unlogged = (epoch, loss, correct, lr)
+                    write_record(bar)
+                    if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0:
+                        save()
+                    stop_here = stop_after_steps is not None and global_step >= stop_after_steps
+                    if stop_here or interrupt.requested:
+                        bar.close()
+                        batches.close()
+                        save()
+                        if interrupt.requested:
+                            raise KeyboardInterrupt
+                        summary.update(interrupted=True, steps=global_step)
+                        return summary
+                bar.close()
+                batches.close()
+                result = evaluate(runner, test_set, replicas, rows, per_device)
+                log.write({"kind": "eval", "epoch": epoch + 1, "step": global_step, **result})
+                if is_main:
+                    tqdm.write(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
+                summary["eval"] = result
+                position = (epoch + 1, 0)
+                save()
+                if interrupt.requested:
+                    raise KeyboardInterrupt
+    except KeyboardInterrupt as e:
+        # One process: the state in hand is consistent, keep it (not after a second Ctrl-C,
+        # which may have landed inside a step).
+        if tdist.world_size() == 1 and not isinstance(e, TrainingAborted):
+            if unlogged is not None:
+                write_record(None)
+            if saved != (global_step, position):
+                save()
+            e.checkpointed_step = global_step
         summary["interrupted"] = True
         raise
     finally:
@@ -294,11 +353,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if is_main:
             print(f"torch_ref: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if is_main:
-            print("torch_ref: interrupted" + (
-                "; the last completed step was checkpointed (resume with --resume)"
-                if tdist.world_size() == 1 else ""), file=sys.stderr)
+            print(f"torch_ref: {interrupted_message(e)}", file=sys.stderr)
         return 130
     finally:
         tdist.shutdown()
