@@ -1,49 +1,118 @@
 """Deliberately broken jaxdp variants: each is a real porting mistake, and the harness must
 catch it and name it.
 
-Each bug is a context manager that monkeypatches one spot of jaxdp and restores it on
-exit (also on an exception). Patch *before* the strategy traces its step (the runner
-builds a fresh strategy and jit inside the ``with``), so the compiled step contains the bug.
+Each bug is a set of monkeypatches, one per strategy: the spot where *that* strategy's
+step makes the mistake (they differ: ZeRO-3 divides by N in its own code, ``dp`` sums on
+device 0, ...). ``injection(name, cfg)`` returns a context manager that patches and
+restores on exit (also on an exception), or raises ``ParityError`` in one line where the
+bug cannot apply. Patch *before* the strategy traces its step (the runner builds a fresh
+strategy and jit inside the ``with``), so the compiled step contains the bug.
 
-===============  ==============================================  ===========================================
-bug              the mistake                                     where the harness must see it first
-===============  ==============================================  ===========================================
-same_padding     ``padding="SAME"`` on the stride-2 3x3 convs:   step 0, ``loss`` (the forward already
-                 XLA pads (0, 1), torch (1, 1)                   differs)
-biased_var       running_var updated with the biased batch       step 0, ``buffers/...running_var`` (loss,
-                 variance (flax's choice) instead of torch's     grads and params are unaffected: training
-                 unbiased ``var * n / (n - 1)``                  mode normalises with batch statistics)
-missing_1_over_n gradient all-reduce sums without dividing by N  step 0, ``grads/...`` (every gradient is N x)
-wrong_shard_bn   BN running stats kept from the LAST device      step 0, ``buffers/...`` (DDP keeps rank 0's)
-                 instead of rank 0 (DDP broadcasts rank 0's)
-===============  ==============================================  ===========================================
+================  ==============================================  ===========================================
+bug               the mistake                                     where the harness must see it first
+================  ==============================================  ===========================================
+same_padding      ``padding="SAME"`` on the stride-2 3x3 convs:   step 0, ``loss`` (the forward already
+                  XLA pads (0, 1), torch (1, 1)                   differs)
+biased_var        running_var updated with the biased batch       step 0, ``buffers/...running_var`` (loss,
+                  variance (flax's choice) instead of torch's     grads and params are unaffected: training
+                  unbiased ``var * n / (n - 1)``                  mode normalises with batch statistics)
+missing_1_over_n  the gradient reduction sums without dividing    step 0, ``grads/...`` (every gradient is N x)
+                  by N
+wrong_shard_bn    BN running stats kept from the LAST device      step 0, ``buffers/...`` (DDP keeps rank 0's)
+                  instead of rank 0 (DDP broadcasts rank 0's)
+================  ==============================================  ===========================================
+
+Where each is patched, per strategy:
+
+================  ==============================================================================
+same_padding      ``resnet._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
+biased_var        ``resnet.BatchNorm``: every strategy
+missing_1_over_n  ddp, async, zero1: ``DDP.reduce_bucket`` (their bucketed all-reduce);
+                  zero2: ``ZeRO2.reduce_scatter``; zero3: ``ZeRO3.averaged_grads``;
+                  hsdp: ``HSDP.averaged_grads``; dp: ``dp.gather_to_first`` (the sum on device 0)
+wrong_shard_bn    ddp, async, zero1, zero2, zero3, hsdp: ``ddp_buffers`` in every strategy module
+                  that imported it (whichever module's step runs); dp: ``dp.local_grads``'s stats
+================  ==============================================================================
+
+The 1/N bugs scale a reduction's input or output by N rather than rewrite it, so they
+follow the real code whatever it calls its collectives (exact for N a power of 2).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import pkgutil
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from parity_tests.runner import ParityError
+
+STRATEGIES = ("ddp", "async", "zero1", "zero2", "zero3", "hsdp", "dp")
+
+
+# ----------------------------------------------------------------------------- patching
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``name`` in each owner by ``make(original)``; restore on exit.
+
+    ``owners``: "package.module" or "package.module:Class" (a class's own attribute, so
+    a subclass's override is never touched by its parent's patch), or a function
+    returning such objects when they are only known at patch time."""
+
+    owners: Any
+    name: str
+    make: Callable[[Any], Any]
+
+    def targets(self) -> List[Any]:
+        owners = self.owners() if callable(self.owners) else self.owners
+        return [_resolve(o) if isinstance(o, str) else o for o in owners]
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for target in self.targets():
+                stack.enter_context(_patched(target, self.name, self.make))
+            yield
+
+
+def _resolve(path: str):
+    module, _, cls = path.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, cls) if cls else obj
 
 
 @contextlib.contextmanager
-def _patched(obj, name: str, value) -> Iterator[None]:
+def _patched(obj, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    # A class's own attribute (KeyError if it only inherits it: patch where it is defined).
     original = obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
-    setattr(obj, name, value)
+    setattr(obj, name, make(original))
     try:
         yield
     finally:
         setattr(obj, name, original)
 
 
-@contextlib.contextmanager
-def same_padding() -> Iterator[None]:
+def _modules_calling_ddp_buffers() -> List[Any]:
+    """Every ``jaxdp.strategies`` module holding base's ``ddp_buffers`` (base included):
+    a step calls it through its own module's name, and which module's step runs can
+    change (e.g. async with staleness 0 runs DDP's ``local_step``)."""
+    import jaxdp.strategies as package
+    from jaxdp.strategies import base
+
+    modules = [importlib.import_module(f"{package.__name__}.{m.name}")
+               for m in pkgutil.iter_modules(package.__path__)]
+    return [m for m in modules if getattr(m, "ddp_buffers", None) is base.ddp_buffers]
+
+
+# ----------------------------------------------------------------------------- the mistakes
+
+def _same_padding_conv(original):
     """Stride-2 3x3 convolutions with ``padding="SAME"`` (pads (0, 1) where torch pads (1, 1))."""
     import flax.linen as nn
 
     from jaxdp.models import resnet
-
-    original = resnet._Layers.conv
 
     def conv(self, features, kernel, stride=1, name=None):
         if stride == 2 and kernel == 3:
@@ -52,20 +121,15 @@ def same_padding() -> Iterator[None]:
                            param_dtype=self.param_dtype, name=name)
         return original(self, features, kernel, stride, name)
 
-    with _patched(resnet._Layers, "conv", conv):
-        yield
+    return conv
 
 
-@contextlib.contextmanager
-def biased_var() -> Iterator[None]:
+def _biased_var_batchnorm(original):
     """BatchNorm whose running_var takes the biased batch variance (flax.linen.BatchNorm's habit)."""
     import flax.linen as nn
     import jax
 
-    from jaxdp.models import resnet
-    from jaxdp.models.batchnorm import BatchNorm
-
-    class BiasedVarBatchNorm(BatchNorm):
+    class BiasedVarBatchNorm(original):
         @nn.compact
         def __call__(self, x, train: bool):
             features = x.shape[-1]
@@ -85,56 +149,135 @@ def biased_var() -> Iterator[None]:
             y = (xs - mean) * (jax.lax.rsqrt(var + self.epsilon) * scale.astype(xs.dtype)) + bias.astype(xs.dtype)
             return y.astype(self.dtype)
 
-    with _patched(resnet, "BatchNorm", BiasedVarBatchNorm):
-        yield
+    return BiasedVarBatchNorm
 
 
-@contextlib.contextmanager
-def missing_1_over_n() -> Iterator[None]:
-    """DDP's bucket all-reduce sums the gradients without the 1/N: N times the average."""
-    from jaxdp.strategies.ddp import DDP
-
-    original = DDP.reduce_bucket
-
-    def reduce_bucket(self, flat):
-        # BUG: psum(g), not psum(g / N). Written as the real bucket reduction fed N*g, so it
-        # follows DDP's code whatever its all-reduce is called (exact for N a power of 2).
-        return original(self, flat * self.num_devices)
-
-    with _patched(DDP, "reduce_bucket", reduce_bucket):
-        yield
-
-
-@contextlib.contextmanager
-def wrong_shard_bn() -> Iterator[None]:
-    """DDP keeps the last device's BN running stats instead of rank 0's."""
+def _times_n(tree, n):
     import jax
 
-    from jaxdp.strategies import ddp
+    return jax.tree_util.tree_map(lambda v: v * n, tree)
+
+
+def _fed_n_times(original):
+    """A reduction method ``(self, x)`` that divides by N, fed N x: it sums. BUG: psum(g), not psum(g / N)."""
+    def method(self, x, *args, **kwargs):
+        return original(self, _times_n(x, self.num_devices), *args, **kwargs)
+
+    return method
+
+
+def _undivided_averaged_grads(original):
+    """``averaged_grads`` with its 1/N undone: each device keeps the SUM of the gradients."""
+    def averaged_grads(self, *args, **kwargs):
+        loss, grads, batch_stats, correct = original(self, *args, **kwargs)
+        return loss, _times_n(grads, self.num_devices), batch_stats, correct  # BUG: no 1/N
+
+    return averaged_grads
+
+
+def _unweighted_gather_to_first(original):
+    """dp's gather to device 0 without the chunk weights b/B: device 0 sums N means."""
+    def gather_to_first(x, axis, n):
+        return original(x * n, axis, n)  # BUG: the (b / B) weight undone
+
+    return gather_to_first
+
+
+def _from_last_device(tree, axis):
+    import jax
+
     from jaxdp.strategies.base import broadcast_from
 
-    def ddp_buffers(batch_stats, axis, sync_bn):
-        if sync_bn:
-            return batch_stats
-        return broadcast_from(batch_stats, axis, source=jax.lax.axis_size(axis) - 1)  # BUG: not 0
+    return broadcast_from(tree, axis, source=jax.lax.axis_size(axis) - 1)
 
-    with _patched(ddp, "ddp_buffers", ddp_buffers):
-        yield
+
+def _last_device_buffers(original):
+    """``ddp_buffers`` that keeps the last device's running stats. BUG: DDP keeps rank 0's."""
+    def ddp_buffers(batch_stats, axis, sync_bn):
+        return batch_stats if sync_bn else _from_last_device(batch_stats, axis)
+
+    return ddp_buffers
+
+
+def _last_chunk_stats(original):
+    """dp's ``local_grads`` handing on the last chunk's BN stats (device 0 broadcasts them)."""
+    from jaxdp.mesh import DATA_AXIS
+
+    def local_grads(*args, **kwargs):
+        loss, grads, batch_stats, correct = original(*args, **kwargs)
+        return loss, grads, _from_last_device(batch_stats, DATA_AXIS), correct  # BUG: not chunk 0's
+
+    return local_grads
+
+
+# ----------------------------------------------------------------------------- the table
+
+def _everywhere(patch: Patch) -> Dict[str, Patch]:
+    return dict.fromkeys(STRATEGIES, patch)
+
+
+def _needs_several_devices(cfg) -> Optional[str]:
+    return "it needs --devices >= 2 (one device has nothing to average)" if cfg.devices < 2 else None
+
+
+def _needs_per_device_bn(cfg) -> Optional[str]:
+    if cfg.sync_bn:
+        return "with --sync-bn every device holds the same BN statistics, so which one is kept cannot matter"
+    return _needs_several_devices(cfg)
 
 
 @dataclass(frozen=True)
 class Bug:
     name: str
-    inject: Callable[[], contextlib.AbstractContextManager]
-    step: int          # where the harness must report the first divergence
-    category: str      # ... in which category
-    leaf: str = ""     # ... and, if set, a tensor whose name ends with this
-    what: str = ""
+    what: str
+    patches: Mapping[str, Patch]  # strategy -> where its step makes this mistake
+    step: int                     # where the harness must report the first divergence
+    category: str                 # ... in which category
+    leaf: str = ""                # ... and, if set, a tensor whose name ends with this
+    requires: Callable[[Any], Optional[str]] = lambda cfg: None  # why a config cannot show it
 
+    def injection(self, cfg) -> contextlib.AbstractContextManager:
+        """The patch for ``cfg.strategy``; ParityError where this bug cannot apply."""
+        if cfg.strategy not in self.patches:
+            raise ParityError(f"bug {self.name} cannot be injected into strategy {cfg.strategy!r}: "
+                              f"it applies to {', '.join(self.patches)}")
+        why = self.requires(cfg)
+        if why:
+            raise ParityError(f"bug {self.name} cannot show in this run: {why}")
+        return self.patches[cfg.strategy].applied()
+
+
+DDP_REDUCE_BUCKET = Patch(["jaxdp.strategies.ddp:DDP"], "reduce_bucket", _fed_n_times)
+DDP_BUFFERS = Patch(_modules_calling_ddp_buffers, "ddp_buffers", _last_device_buffers)
 
 BUGS: Dict[str, Bug] = {b.name: b for b in (
-    Bug("same_padding", same_padding, 0, "loss", what="'SAME' padding on the stride-2 convs"),
-    Bug("biased_var", biased_var, 0, "buffers", "running_var", "biased variance in BN running_var"),
-    Bug("missing_1_over_n", missing_1_over_n, 0, "grads", what="gradient all-reduce without 1/N"),
-    Bug("wrong_shard_bn", wrong_shard_bn, 0, "buffers", what="BN running stats from the last device"),
+    Bug("same_padding", "'SAME' padding on the stride-2 convs",
+        _everywhere(Patch(["jaxdp.models.resnet:_Layers"], "conv", _same_padding_conv)), 0, "loss"),
+    Bug("biased_var", "biased variance in BN running_var",
+        _everywhere(Patch(["jaxdp.models.resnet"], "BatchNorm", _biased_var_batchnorm)), 0, "buffers",
+        "running_var"),
+    Bug("missing_1_over_n", "gradient reduction without 1/N", {
+        "ddp": DDP_REDUCE_BUCKET, "async": DDP_REDUCE_BUCKET, "zero1": DDP_REDUCE_BUCKET,
+        "zero2": Patch(["jaxdp.strategies.zero2:ZeRO2"], "reduce_scatter", _fed_n_times),
+        "zero3": Patch(["jaxdp.strategies.zero3:ZeRO3"], "averaged_grads", _undivided_averaged_grads),
+        "hsdp": Patch(["jaxdp.strategies.hsdp:HSDP"], "averaged_grads", _undivided_averaged_grads),
+        "dp": Patch(["jaxdp.strategies.dp"], "gather_to_first", _unweighted_gather_to_first),
+    }, 0, "grads", requires=_needs_several_devices),
+    Bug("wrong_shard_bn", "BN running stats from the last device", {
+        **dict.fromkeys(("ddp", "async", "zero1", "zero2", "zero3", "hsdp"), DDP_BUFFERS),
+        "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _last_chunk_stats),
+    }, 0, "buffers", requires=_needs_per_device_bn),
 )}
+
+
+def injection(name: str, cfg) -> contextlib.AbstractContextManager:
+    """The context manager that injects bug ``name`` into ``cfg``'s strategy (ParityError if it cannot)."""
+    if name not in BUGS:
+        raise ParityError(f"unknown bug {name!r}; choose one of {', '.join(BUGS)}")
+    return BUGS[name].injection(cfg)
+
+
+def patch_sites() -> List[Tuple[Any, str]]:
+    """(owner, name) of every spot some injection replaces: for tests that check restoring."""
+    patches = {id(p): p for bug in BUGS.values() for p in bug.patches.values()}
+    return [(t, p.name) for p in patches.values() for t in p.targets()]

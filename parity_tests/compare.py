@@ -251,12 +251,15 @@ class Divergence:
     abs_err: float
     count: int  # tensors over their bound in that step
     total: int
+    detail: str = ""  # a failure that is not one tensor's error (e.g. the step counts differ)
 
     @property
     def category(self) -> str:
         return self.key.split("/", 1)[0]
 
     def message(self) -> str:
+        if self.detail:
+            return f"diverged: {self.detail}"
         if self.step < 0:
             return f"diverged: {self.key}: {self.note_text()}"
         return (f"diverged at step {self.step}: {self.key} rel err {self.rel_err:.1e} > "
@@ -330,6 +333,11 @@ def compare_runs(jax_steps: Sequence[Mapping], torch_steps: Sequence[Mapping], b
             result.divergence = Divergence(s.step, bad.key, bad.rel_err, bad.bound, bad.abs_err,
                                            len(s.failures()), len(s.entries))
             break
+    if result.divergence is None and len(jax_steps) != len(torch_steps):
+        result.divergence = Divergence(
+            n, "steps", math.inf, 0.0, math.inf, 1, 1,
+            detail=(f"jaxdp has {len(jax_steps)} steps and torch {len(torch_steps)}: one side "
+                    f"stopped early, so steps {n} and later were never compared"))
     if bounds.loss_curve is not None and n:
         w = min(bounds.curve_window, n)
         lj = float(np.mean([s.loss_jax for s in steps[-w:]]))

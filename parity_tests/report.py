@@ -84,7 +84,7 @@ def print_report(result, file=None) -> None:
     secs = result.seconds
     print(f"time: inputs {secs.get('inputs', 0):.1f}s, torch {secs.get('torch', 0):.1f}s, "
           f"jaxdp {secs.get('jax', 0):.1f}s", file=out)
-    print(("PASS: " if result.passed else "FAIL: ") + result.message(), file=out)
+    print(("PASS: " if result.ok else "FAIL: ") + result.message(), file=out)
     if not result.passed and result.plan.cfg.dtype == "float32":
         print("hint: float32 rounding is amplified by BatchNorm and by training; re-run with "
               "--dtype float64, where the noise is ~1e-14 and anything above 1e-10 is a real "
@@ -135,7 +135,7 @@ def plot(result, path: str) -> str:
                      lw=1, label=f"{bounds.name} bound ({cat})")
     ax2.set_xlabel("step")
     ax2.set_ylabel("max relative error (max|a-b| / max|b|)")
-    status = "PASS" if result.passed else "FAIL: " + result.divergence.message().split(" (")[0]
+    status = "PASS" if result.ok else "FAIL: " + result.message().split(" (")[0]
     ax2.set_title(f"max relative error per step ({cfg.dtype}; exact 0 drawn at {tiny:.0e})", fontsize=10)
     ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
     ax2.grid(alpha=0.3, which="both")

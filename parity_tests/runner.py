@@ -507,16 +507,31 @@ class ParityResult:
     jax_records: List[dict]
     torch_records: List[dict]
     seconds: Dict[str, float]
+    bug: Optional[str] = None  # the bug injected into jaxdp, if any
 
     @property
     def passed(self) -> bool:
+        """The comparison found no divergence."""
         return self.comparison.passed
+
+    @property
+    def missed_bug(self) -> bool:
+        """A bug was injected and yet the sides agree: the harness or the injection is broken."""
+        return self.bug is not None and self.passed
+
+    @property
+    def ok(self) -> bool:
+        """What the run set out to show: parity, or with a bug injected, a divergence."""
+        return self.passed and self.bug is None
 
     @property
     def divergence(self):
         return self.comparison.divergence
 
     def message(self) -> str:
+        if self.missed_bug:
+            return (f"bug {self.bug} was injected but no divergence was found: the harness or "
+                    "the injection is broken")
         if self.passed:
             c = self.comparison
             bounded = [(e.rel_err, s.step, e.key) for s in c.steps for e in s.entries
@@ -537,7 +552,8 @@ class ParityResult:
         from parity_tests.report import environment
 
         return {"config": _jsonable(self.plan.cfg.to_json()), "plan": self.plan.to_json(),
-                "passed": self.passed, "message": self.message(), "seconds": self.seconds,
+                "passed": self.passed, "injected_bug": self.bug, "message": self.message(),
+                "seconds": self.seconds,
                 "environment": environment(self.plan.cuda),
                 "comparison": self.comparison.to_json()}
 
@@ -567,8 +583,8 @@ def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
     from parity_tests import bugs, compare
 
     p = plan(cfg)
-    if bug is not None and bug not in bugs.BUGS:
-        raise ParityError(f"unknown bug {bug!r}; choose one of {', '.join(bugs.BUGS)}")
+    # Refused before anything runs: a bug that cannot apply would only "pass".
+    injected = bugs.injection(bug, cfg) if bug is not None else contextlib.nullcontext()
     configure_precision(p.cuda)
     t0 = time.perf_counter()
     sd = init_state_dict(cfg)
@@ -584,13 +600,15 @@ def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
     t2 = time.perf_counter()
     if bug is not None:
         p.notes.append(f"INJECTED BUG in jaxdp: {bugs.BUGS[bug].what}")
-    with (bugs.BUGS[bug].inject() if bug else contextlib.nullcontext()):
+    with injected:
         jax_records = run_jax(p, sd, batches[:jax_steps] if jax_steps else batches)
     t3 = time.perf_counter()
     skip = ("loss_per_rank",) if p.world != cfg.devices else ()
+    # Only the prefix asked for; a side that stopped short of it is still a failure.
+    torch_records = torch_records[:jax_steps] if jax_steps else torch_records
     comparison = compare.compare_runs(jax_records, torch_records, bounds or bounds_for(p), skip)
     return ParityResult(p, comparison, jax_records, torch_records,
-                        {"inputs": t1 - t0, "torch": t2 - t1, "jax": t3 - t2})
+                        {"inputs": t1 - t0, "torch": t2 - t1, "jax": t3 - t2}, bug)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -653,7 +671,8 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
                    help="seconds before the torch ranks are killed")
     g.add_argument("--inject-bug", default=None, metavar="BUG",
                    help="demo: run jaxdp with a deliberate bug (same_padding | biased_var | "
-                        "missing_1_over_n | wrong_shard_bn) and watch the harness name it")
+                        "missing_1_over_n | wrong_shard_bn) and watch the harness name it; exit "
+                        "status 1 when it is caught, 3 when it is not (the harness is broken)")
     p.set_defaults(func=cmd_parity)
 
 
@@ -674,6 +693,9 @@ def cmd_parity(args: argparse.Namespace) -> int:
     report.print_report(result)
     paths = report.write(result, args.out, extra_png=args.png)
     print("wrote " + ", ".join(paths))
+    if result.missed_bug:
+        print(f"jaxdp parity: error: {result.message()}", file=sys.stderr)
+        return 3
     return 0 if result.passed else 1
 
 

@@ -206,6 +206,14 @@ def test_a_tensor_on_one_side_only_is_a_divergence():
     assert d.key == "grads/fc.bias" and d.rel_err == float("inf")
 
 
+def test_a_side_with_fewer_steps_is_a_divergence_naming_both_lengths():
+    for jax_n, torch_n in ((2, 3), (3, 2)):
+        result = _fake_result([_record()] * jax_n, [_record()] * torch_n)
+        assert not result.passed
+        assert result.message() == (f"diverged: jaxdp has {jax_n} steps and torch {torch_n}: one side "
+                                    "stopped early, so steps 2 and later were never compared")
+
+
 def test_table_json_png_and_exit_status(tmp_path, monkeypatch, capsys):
     import json
 
