@@ -61,9 +61,10 @@ Bounds (``parity_tests.compare``): float64, every tensor at every step rel <= 1e
 ``compare.FLOAT32``: every tensor at step 0, the loss at every step, the loss curves).
 
 GPU mode: the same runner, when CUDA is available to both sides: torch on nccl with TF32
-off (``NVIDIA_TF32_OVERRIDE=0`` in the ranks' environment, which turns TF32 off in cuBLAS
-and cuDNN whatever the framework flags say), JAX with
-``jax_default_matmul_precision="highest"``. One rank per GPU, so N <= the GPUs present.
+off in every rank (``torch_ref.launcher.no_tf32``: ``allow_tf32 = False`` for matmuls and
+cuDNN, and ``NVIDIA_TF32_OVERRIDE=0``, set by the rank itself since its forkserver may
+predate this process's environment), JAX with ``jax_default_matmul_precision="highest"``.
+One rank per GPU, so N <= the GPUs present.
 
 Nothing here imports jax or torch at module level: ``jaxdp parity --devices N`` must set
 XLA's simulated-device flag first.
@@ -401,20 +402,17 @@ def full_batch_order(images: np.ndarray, labels: np.ndarray, accum: int):
 # ----------------------------------------------------------------------------- the two sides
 
 def configure_precision(cuda: bool) -> None:
-    """Full float32 precision on GPUs: no TF32 in torch (ranks inherit the environment), XLA's
-    highest matmul precision. (float64 never uses TF32; on CPU this changes nothing.)"""
+    """XLA's highest matmul precision on GPUs (no TF32) for the jaxdp side.
+
+    The torch side turns TF32 off inside each rank (``torch_ref.launcher.no_tf32``):
+    the ranks are forked from a forkserver that may have started earlier, with another
+    environment, so neither this process's torch flags nor its environment reach them.
+    (float64 never uses TF32; on CPU this changes nothing.)"""
     import jax
 
-    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
     if cuda or jax.default_backend() == "gpu":
+        os.environ["NVIDIA_TF32_OVERRIDE"] = "0"  # read by cuBLAS/cuDNN when XLA first loads them
         jax.config.update("jax_default_matmul_precision", "highest")
-        try:
-            import torch
-
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        except Exception:  # pragma: no cover
-            pass
 
 
 def jax_strategy(p: Plan, variables=None):

@@ -157,6 +157,30 @@ def test_gpu_ddp(dtype):
     assert_parity(run_parity(config(dtype, strategy="ddp", devices=n, steps=SHORT, **SGD)))
 
 
+def test_torch_ranks_turn_tf32_off_themselves_on_cuda(monkeypatch):
+    """Each rank, not the parent, sets the TF32 flags: a forkserver started earlier hands
+    its ranks its own environment and flags. (No GPU needed: the flags exist on CPU builds.)"""
+    import os
+
+    import torch
+
+    from torch_ref.launcher import no_tf32
+
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = [f.allow_tf32 for f in flags]  # torch's flag objects defeat monkeypatch.setattr
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    try:
+        for f in flags:
+            f.allow_tf32 = True
+        assert not no_tf32(torch.device("cpu"))
+        assert all(f.allow_tf32 for f in flags) and "NVIDIA_TF32_OVERRIDE" not in os.environ
+        assert no_tf32(torch.device("cuda", 1))
+        assert not any(f.allow_tf32 for f in flags) and os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+    finally:
+        for f, value in zip(flags, saved):
+            f.allow_tf32 = value
+
+
 # ----------------------------------------------------------------------------- the report itself
 # (no jaxdp or torch run: records made up to exercise the comparison, table, JSON, PNG, exit status)
 

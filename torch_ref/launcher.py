@@ -68,6 +68,7 @@ def _worker(rank: int, world: int, workdir: str, config: Mapping[str, Any],
         from torch_ref import dist as tdist
         from torch_ref.step_api import build
 
+        no_tf32(tdist.device())
         tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"),
                    rank=rank, world_size=world)
         runner = build(config, init_state_dict)
@@ -92,6 +93,24 @@ def _worker(rank: int, world: int, workdir: str, config: Mapping[str, Any],
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def no_tf32(device) -> bool:
+    """Full float32 matmuls and convolutions in this rank when it computes on CUDA (parity
+    compares against XLA at its highest precision). Returns whether it changed anything.
+
+    Set here, in the rank, not by the caller: ranks fork from a forkserver that may have
+    started before the caller set anything, and inherit its environment and flags, not
+    the caller's. ``NVIDIA_TF32_OVERRIDE`` also covers libraries that read it when their
+    first handle is created; the torch flags are what torch itself consults."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return False
+    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return True
 
 
 def run_steps(world_size: int, config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]],
