@@ -5,7 +5,8 @@ Model: ResNet-18 layout with width 4 and one block per stage (every code path, a
 fraction of the cost), 16x16 crops, 8 images per device; one ResNet-18 of width 16 with
 the full (2, 2, 2, 2) depth. float64 cases must agree to rel err <= 1e-10 in every tensor
 at every step (measured: <= 2e-13); float32 cases to the measured-noise bounds of
-``compare.FLOAT32``.
+``compare.FLOAT32``; bf16/fp16 hooks on more than 2 ranks to the wire's rounding
+(``LOW_PRECISION`` below, ``compare.low_precision_wire``).
 
 Cost: each torch launch is a few seconds and each jaxdp strategy compiles once, so the
 cases share what they can: pairs whose twin is the same torch computation (dp, async k=0
@@ -55,6 +56,21 @@ F32 = {
     "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum=2, steps=SHORT, **SGD),
 }
 
+# bf16/fp16 hooks on N > 2 ranks, in float64. The hook's terms fl(fl(g)/N) are the same on
+# both sides, but gloo rounds the SUM at each of its N-1 hops and XLA:CPU once (bf16) or at
+# each hop in another order (fp16), so the averaged gradients differ by up to N u sum|g_i/N|
+# per element (u = 2^-8 bf16, 2^-11 fp16). Hence, at step 0: grads and params within
+# 4 N u (a cancellation allowance of 4: measured rel err / (N u) <= 0.98), optimizer state
+# 8 N u (exp_avg_sq is quadratic in g), loss and BN buffers still 1e-10 (the forward comes
+# before any rounding); later steps only the loss (1%: the rounded gradients move the
+# trajectories apart chaotically, as float32 does); at every step every gradient on both
+# sides an exact bf16/fp16 value, which the bounds alone cannot check. (N = 2: one addition,
+# rounded once by both, so "ddp-bf16-hook" above is held to 1e-10.) compare.py has the numbers.
+LOW_PRECISION = {
+    "ddp-bf16-hook-n4": dict(strategy="ddp", devices=4, compress="bf16", steps=SHORT, **SGD),
+    "ddp-fp16-hook-n3": dict(strategy="ddp", devices=3, compress="fp16", steps=SHORT, **SGD),
+}
+
 
 def config(dtype, **kw):
     return ParityConfig(dtype=dtype, **{**TINY, **kw})
@@ -90,6 +106,23 @@ def test_float64_every_tensor_every_step(name):
 @pytest.mark.parametrize("name", list(F32))
 def test_float32_within_measured_noise(name):
     assert_parity(run_parity(config("float32", **F32[name]), reuse_torch=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LOW_PRECISION))
+def test_low_precision_hook_on_more_than_two_ranks(name):
+    cfg = config("float64", **LOW_PRECISION[name])
+    result = run_parity(cfg, reuse_torch=True)
+    assert_parity(result)
+    assert result.comparison.bounds.wire == cfg.compress
+    first = result.comparison.steps[0]
+    # The forward is the wire's business in no way: float64 agreement.
+    assert first.max_rel("loss") <= 1e-10 and first.max_rel("buffers") <= 1e-10
+    # Every averaged gradient was checked to be a wire value, on both sides, every step.
+    for step in result.comparison.steps:
+        grads = [e.key for e in step.entries if e.category == "grads"]
+        wire = {e.key for e in step.entries if e.category == "wire"}
+        assert wire == {f"wire/{side}/{k[len('grads/'):]}" for side in ("jaxdp", "torch") for k in grads}
 
 
 @pytest.mark.slow
@@ -236,6 +269,43 @@ def test_a_side_with_fewer_steps_is_a_divergence_naming_both_lengths():
         assert not result.passed
         assert result.message() == (f"diverged: jaxdp has {jax_n} steps and torch {torch_n}: one side "
                                     "stopped early, so steps 2 and later were never compared")
+
+
+def test_low_precision_bounds_follow_the_wire_rounding():
+    from parity_tests.compare import FLOAT32, FLOAT64, low_precision_wire
+    from parity_tests.runner import bounds_for
+
+    two = low_precision_wire(FLOAT64, "bf16", 2)  # one addition: rounded alike on both sides
+    assert all(two.bound(c, s) == 1e-10 for c in ("grads", "params", "optimizer_state") for s in (0, 3))
+    four = bounds_for(plan(config("float64", strategy="ddp", devices=4, compress="fp16")))
+    u = 2.0 ** -11
+    assert [four.bound(c, 0) for c in ("loss", "buffers", "grads", "params", "optimizer_state")] == \
+        [1e-10, 1e-10, 16 * u, 16 * u, 32 * u]
+    assert four.bound("loss_per_rank", 1) == 1e-2 and four.bound("grads", 1) == float("inf")
+    assert four.bound("wire", 0) == four.bound("wire", 1) == 0.0 and four.wire == "fp16"
+    # float32: the larger of float32's own step-0 bound and the wire's; N = 2 keeps float32's
+    assert low_precision_wire(FLOAT32, "fp16", 4).bound("grads", 0) == max(FLOAT32.bound("grads", 0), 16 * u)
+    assert low_precision_wire(FLOAT32, "bf16", 2).first == {**FLOAT32.first, "wire": 0.0}
+
+
+def test_a_gradient_that_is_not_a_wire_value_is_a_divergence():
+    """A skipped cast, or a division after the cast back, gives numbers within rounding
+    of the right ones: only the exact wire check sees them."""
+    import ml_dtypes
+
+    from parity_tests import compare
+
+    def on_wire(record):
+        record["grads"] = {k: v.astype(ml_dtypes.bfloat16).astype(np.float64)
+                           for k, v in record["grads"].items()}
+        return record
+
+    bounds = compare.low_precision_wire(compare.FLOAT64, "bf16", 4)
+    torch = [on_wire(_record(scale=1 / 3))]
+    assert compare.compare_runs([on_wire(_record(scale=1 / 3))], torch, bounds).passed
+    off = compare.compare_runs([_record(scale=1 / 3)], torch, bounds)  # 1/6: not a bf16 value
+    assert off.divergence.key == "wire/jaxdp/conv1.weight"
+    assert off.steps[0].max_rel("grads") <= bounds.bound("grads", 0)  # the bounds alone would pass it
 
 
 def test_table_json_png_and_exit_status(tmp_path, monkeypatch, capsys):
