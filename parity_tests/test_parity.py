@@ -54,6 +54,10 @@ F32 = {
     "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
     "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum=2, steps=SHORT, **ADAMW),
     "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum=2, steps=SHORT, **SGD),
+    "zero1-n2-adamw": F64["zero1-n2-adamw"],
+    "zero2-n2-accum2-sgd": F64["zero2-n2-accum2-sgd"],
+    "zero3-n2-adam": F64["zero3-n2-adam"],
+    "hsdp-2x2-sgd": F64["hsdp-2x2-sgd"],
 }
 
 # bf16/fp16 hooks on N > 2 ranks, in float64. The hook's terms fl(fl(g)/N) are the same on
