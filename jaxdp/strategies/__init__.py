@@ -2,7 +2,7 @@
 
 - ``ddp``: replicated state, bucketed gradient all-reduce (torch DDP); ring all-reduce and compression options.
 - ``dp``: torch's single-controller ``nn.DataParallel`` (pmap): grads summed on device 0, params broadcast.
-- ``async``: bounded-staleness parameter server: gradients k updates stale (k = 0 is DDP).
+- ``async``: bounded-staleness parameter server: each worker reads params 0..k updates old (k = 0 is DDP).
 - ``zero1``: DDP with the optimizer state sharded; updated params all-gathered.
 - ``zero2``: ZeRO-1 with gradients reduce-scattered instead of all-reduced.
 - ``zero3``: params sharded too, gathered per unit (block) on use and again in backward (FSDP).
