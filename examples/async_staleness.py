@@ -57,7 +57,7 @@ def main(argv=None):
     for k in (int(s) for s in args.staleness.split(",")):
         cfg = TrainConfig(strategy="async", staleness=k, width=4, blocks=(1, 1, 1, 1), devices=4,
                           synthetic_size=(2048, 512), global_batch_size=64, epochs=args.epochs,
-                          lr=args.lr, momentum=0.9, schedule="constant", progress=False,
+                          lr=args.lr, momentum=0.9, schedule="constant", progress=False, overwrite=True,
                           out=os.path.join(args.out, f"k{k}"))
         summary = train(cfg)
         steps, losses = read_train_losses(cfg.out)

@@ -20,7 +20,7 @@ loops (N is static), so the compiled program holds 2(N-1) separate
 Summation order: chunk c is summed around the ring starting at device c+1,
 ((x[c+1] + x[c+2]) + ...) + x[c], rounding to the buffer dtype at every hop,
 as a ring implementation does. ``psum`` on XLA:CPU sums in device order (and
-promotes bf16/f16 to f32 first), so float results can differ in the last bits.
+promotes bf16 to f32 first; f16 stays f16), so float results can differ in the last bits.
 """
 
 import jax

@@ -42,7 +42,7 @@ class TinyBNNet(nn.Module):
 
 def numpy_init(model, size=8, seed=0):
     """Variables drawn with numpy (jit-compiling model.init costs more than the tests; eager is slower still)."""
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3), model.dtype)))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, size, size, 3), model.dtype)))
     rng = np.random.default_rng(seed)
 
     def draw(path, s):

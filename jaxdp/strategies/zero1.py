@@ -38,7 +38,7 @@ class ZeRO1(DDP):
     name = "zero1"
     flat_opt_state = True  # ZeRO-3 keeps the params flat and sharded at rest too
 
-    def __init__(self, model, tx, mesh, *, bucket_cap_mb: float = 25.0, **kwargs):
+    def __init__(self, model, tx, mesh, *, bucket_cap_mb=None, **kwargs):
         # An explicit signature: DDP-only options (compression, ring all-reduce) are not ZeRO's.
         super().__init__(model, tx, mesh, bucket_cap_mb=bucket_cap_mb, **kwargs)
 
