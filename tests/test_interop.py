@@ -258,7 +258,7 @@ def test_float32_matches_torch(name, stem, size, kw):
 
 def test_param_name_map_paths():
     fmodel = create_model("resnet50", stem="imagenet", **TINY)
-    shapes = jax.eval_shape(fmodel.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    shapes = jax.eval_shape(functools.partial(fmodel.init, train=False), jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     names = param_name_map(shapes["params"])
     assert names["conv1.weight"] == ("conv1", "kernel")
     assert names["bn1.weight"] == ("bn1", "scale")
