@@ -25,6 +25,7 @@ promotes bf16 to f32 first; f16 stays f16), so float results can differ in the l
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _ring(axis):
@@ -78,10 +79,20 @@ def ring_all_reduce(x, axis):
     return full.ravel()[: x.size].reshape(x.shape)
 
 
+def ring_all_reduce_many(tree, axis):
+    """``ring_all_reduce`` of every array of ``tree`` at once: packed into one buffer, one
+    ring (a DDP bucket), then cut back into the tree's arrays."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    packed = ring_all_reduce(jnp.concatenate([x.ravel() for x in leaves]), axis)
+    parts = jnp.split(packed, np.cumsum([x.size for x in leaves])[:-1])
+    return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves)])
+
+
 def all_reduce_fn(name: str):
-    """The SUM all-reduce a strategy asked for by name: ``psum`` (XLA's) or ``ring`` (the ppermutes above)."""
+    """The SUM all-reduce of a pytree (one collective for all of it) a strategy asked for by
+    name: ``psum`` (XLA's, variadic) or ``ring`` (the ppermutes above)."""
     if name == "psum":
         return jax.lax.psum
     if name == "ring":
-        return ring_all_reduce
+        return ring_all_reduce_many
     raise ValueError(f"unknown allreduce {name!r}; choose psum or ring")

@@ -68,8 +68,9 @@ LOW_PRECISION = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 COMPRESSORS = (None, "bf16", "fp16", "powersgd")
 
 
-def low_precision_reduce(flat, dtype, n: int, axis, sum_fn=jax.lax.psum):
-    """torch's ``bf16_compress_hook`` / ``fp16_compress_hook`` on one flat bucket.
+def low_precision_reduce(grads, dtype, n: int, axis, sum_fn=jax.lax.psum):
+    """torch's ``bf16_compress_hook`` / ``fp16_compress_hook`` on one bucket (an array or a
+    list of them, summed by one ``sum_fn``).
 
     torch divides the low-precision values in float32 and rounds the quotient to ``dtype``
     (ATen's scalar division for reduced floats). Written out, XLA keeps it exact: it turned
@@ -77,8 +78,9 @@ def low_precision_reduce(flat, dtype, n: int, axis, sum_fn=jax.lax.psum):
     fp16), and, without the barrier, dropped the quotient's rounding before an all-reduce
     it promotes to f32 (bf16). Both gave 1-ulp differences, none for n a power of 2.
     """
-    parts = (flat.astype(dtype).astype(jnp.float32) / n).astype(dtype)
-    return sum_fn(jax.lax.optimization_barrier(parts), axis).astype(flat.dtype)
+    parts = jax.tree_util.tree_map(lambda g: (g.astype(dtype).astype(jnp.float32) / n).astype(dtype), grads)
+    summed = sum_fn(jax.lax.optimization_barrier(parts), axis)
+    return jax.tree_util.tree_map(lambda s, g: s.astype(g.dtype), summed, grads)
 
 
 # ----------------------------------------------------------------------------- PowerSGD helpers

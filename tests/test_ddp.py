@@ -205,7 +205,8 @@ def test_buckets_hold_grads_in_reverse_torch_parameter_order():
 
     received = []
     strategy.learn_parameter_order(x)
-    out = bucketed(grads, lambda flat: received.append(np.asarray(flat)) or flat, strategy.param_order, limits)
+    out = bucketed(grads, lambda bucket: received.append(np.concatenate([np.asarray(g).ravel() for g in bucket]))
+                   or bucket, strategy.param_order, limits)
     assert len(received) == len(expected)
     for got, want in zip(received, expected):
         np.testing.assert_array_equal(got, want)
@@ -217,9 +218,9 @@ def test_ddp_step_reduces_torch_sized_buckets():
     from jaxdp.strategies.ddp import DDP
 
     class RecordingDDP(DDP):
-        def reduce_bucket(self, flat):
-            seen.append(flat.size * flat.dtype.itemsize)
-            return super().reduce_bucket(flat)
+        def reduce_bucket(self, grads):
+            seen.append(sum(g.size * g.dtype.itemsize for g in grads))
+            return super().reduce_bucket(grads)
 
     seen = []
     model = tiny_resnet()

@@ -5,6 +5,12 @@ DDP packs gradients into flat buckets in *reverse* parameter order (reverse
 all-reduce per bucket. The reduction is elementwise, so bucketing changes only
 how many collectives the program issues, never the numbers.
 
+Here a bucket is a list of tensors that moves as one collective (a variadic
+all-reduce), not a flat copy: XLA needs no contiguous buffer, and the copy is
+not free. On XLA:CPU the concatenation, fused with the transposes of the conv
+kernels' gradients, took 34 ms of a 113 ms DDP step (ResNet-18 width 16, two
+devices); without it the step takes 64 ms.
+
 Parameter order. torch's ``model.parameters()`` is definition order. A Flax
 model creates its params in that order and ``model.init`` returns them so, but
 every JAX transform (``jit``, ``tree_map``, ``device_put``, ``grad``) hands
@@ -24,7 +30,6 @@ makes the first bucket that size too.
 from typing import Callable, List, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 
 MIB = 1024 * 1024
 DEFAULT_CAP_MB = 25.0  # torch's _DEFAULT_BUCKET_CAP_MB
@@ -94,8 +99,9 @@ def reduction_order(tree, order: Sequence[Path]) -> List[Path]:
     return list(reversed(order))
 
 
-def bucketed(grads, reduce_flat: Callable, order: Sequence[Path], limits: Sequence[int]):
-    """Apply ``reduce_flat`` to each flat bucket of ``grads`` and return the same tree.
+def bucketed(grads, reduce_bucket: Callable, order: Sequence[Path], limits: Sequence[int]):
+    """Apply ``reduce_bucket`` (a list of tensors -> the list reduced) to each bucket of
+    ``grads``, in reduction order, and return the same tree.
 
     ``order``: the params' definition order (``definition_order``); buckets run in reverse.
     """
@@ -104,12 +110,8 @@ def bucketed(grads, reduce_flat: Callable, order: Sequence[Path], limits: Sequen
     leaves = [by_path[p] for p in paths]
     reduced = {}
     for bucket in plan_buckets([x.size * x.dtype.itemsize for x in leaves], limits):
-        parts = [leaves[i] for i in bucket]
-        flat = reduce_flat(jnp.concatenate([x.ravel() for x in parts]))
-        offset = 0
-        for i, x in zip(bucket, parts):
-            reduced[paths[i]] = flat[offset:offset + x.size].reshape(x.shape)
-            offset += x.size
+        for i, x in zip(bucket, reduce_bucket([leaves[i] for i in bucket])):
+            reduced[paths[i]] = x
     return jax.tree_util.tree_map_with_path(lambda p, _: reduced[leaf_path(p)], grads)
 
 

@@ -50,12 +50,13 @@ class DDP(Strategy):
             raise StrategyError(str(e)) from None
         self.allreduce, self.compress = allreduce, compress
 
-    def reduce_bucket(self, flat):
-        """Average one flat gradient bucket over the data axis, as DDP's default hook."""
+    def reduce_bucket(self, grads):
+        """Average one bucket (a list of gradients) over the data axis, as DDP's default hook:
+        one collective for the bucket (``buckets.py``)."""
         if self.compress in compression.LOW_PRECISION:
             return compression.low_precision_reduce(
-                flat, compression.LOW_PRECISION[self.compress], self.num_devices, self.axis, self.allreduce_fn)
-        return self.allreduce_fn(flat / self.num_devices, self.axis)
+                grads, compression.LOW_PRECISION[self.compress], self.num_devices, self.axis, self.allreduce_fn)
+        return self.allreduce_fn([g / self.num_devices for g in grads], self.axis)
 
     def all_reduce(self, grads, extra=None, step=0):
         """(averaged grads, new ``extra``): PowerSGD keeps state there, the other hooks do not."""
