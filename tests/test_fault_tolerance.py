@@ -4,7 +4,9 @@ resuming on a different device count, each checked by the dataset ids every step
 """
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 import warnings
 
@@ -76,6 +78,8 @@ def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_
     assert killed_at > saved[-1]  # work past the checkpoint that the resume must redo, not skip
     print(f"killed after step {killed_at}, newest complete checkpoint {saved[-1]}, "
           f"launcher exited {detected:.2f} s after the kill")
+    elastic = out + "_on_one_process"
+    shutil.copytree(out, elastic)  # the same wreck, to finish on another topology below
 
     code, output = run_job(["--nprocs", "2", "--devices-per-proc", "2"], command + ["--resume"],
                            timeout=240, env=env)
@@ -84,6 +88,16 @@ def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_
     for p in (0, 1):
         assert [r["step"] for r in sample_records(out) if r["file"] == f"sample_ids.p{p}.jsonl"] == list(range(1, 9))
     np.testing.assert_array_equal(epoch_ids(out, 0), np.arange(256))  # every sample exactly once
+
+    # The 2-process sharded checkpoint, finished by one process with 2 devices.
+    finish = subprocess.run(jaxdp("train", *ARGS, "--synthetic-size", "256,32", "--checkpoint-every", "4",
+                                  "--out", elastic, "--devices", "2", "--resume"),
+                            env=env, capture_output=True, text=True, timeout=240)
+    assert finish.returncode == 0, finish.stderr[-5000:]
+    assert "resuming a run saved on 4 devices (2 process(es)) on 2 (1)" in finish.stderr
+    assert [r["step"] for r in records(elastic)] == list(range(1, 9))
+    assert [r["step"] for r in sample_records(elastic) if r["file"] == "sample_ids.p1.jsonl"] == [1, 2, 3, 4]
+    np.testing.assert_array_equal(epoch_ids(elastic, 0), np.arange(256))
 
 
 def test_partial_and_corrupted_checkpoints_fall_back_to_the_last_good_one(tmp_path):

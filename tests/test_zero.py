@@ -239,12 +239,14 @@ def flat_padded(shape, n):
     return -(-size // n) * n
 
 
-def test_train_zero3_end_to_end(tmp_path):
+def test_train_zero3_end_to_end(tmp_path, capsys):
     from jaxdp.train import train as train_run
 
     cfg = TrainConfig(strategy="zero3", devices=4, width=4, blocks=(1, 1, 1, 1), synthetic_size=(256, 64),
-                      global_batch_size=32, epochs=2, lr=0.05, out=str(tmp_path / "run"), progress=False)
+                      global_batch_size=32, epochs=2, lr=0.05, out=str(tmp_path / "run"), progress=True)
     summary = train_run(cfg)
+    err = capsys.readouterr().err
+    assert "epoch 2/2: 100%" in err and "img_s=" in err  # the progress bar, with loss and images/s
     assert summary["steps"] == 16 and summary["eval"]["count"] == 64
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
