@@ -7,7 +7,7 @@ separate XLA CPU device, so collectives and shardings behave as on real hardware
 """
 
 import os
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 import numpy as np
 

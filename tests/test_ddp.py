@@ -27,7 +27,6 @@ def reference_ddp(model, variables, tx, batches, n):
             return cross_entropy(logits, y), upd["batch_stats"]
         return jax.grad(loss_fn, has_aux=True)(p)
 
-    losses = []
     for x, y in batches:
         xs, ys = np.split(x, n), np.split(y, n)
         results = [shard_grad(params, stats, xs[r], ys[r]) for r in range(n)]

@@ -83,7 +83,7 @@ def test_zero3_collectives_and_traffic(compiled_reports):
 
 
 def test_zero3_compiled_memory_saving(compiled_reports):
-    ddp, z3 = compiled_reports["ddp"], compiled_reports["zero3"]
+    z3 = compiled_reports["zero3"]
     used = {name: r["memory"]["argument"] + r["memory"]["temp"] for name, r in compiled_reports.items()}
     n, psi, p, k = 8, z3["psi"], z3["param_bytes"], z3["opt_bytes_per_param"]
     theory = (p + p + k) * psi * (1 - 1 / n)

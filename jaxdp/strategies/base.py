@@ -11,7 +11,7 @@ takes params it can cast to varying itself, so each device's gradient is its own
 and every strategy states its reduction explicitly.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
