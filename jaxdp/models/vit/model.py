@@ -1,0 +1,182 @@
+"""Vision Transformer in Flax, laid out as timm's ``VisionTransformer`` (fused ``qkv``).
+
+The variable tree mirrors the torch twin's ``state_dict`` (torch_ref/vit.py) one to
+one: ``blocks.3.attn.qkv.weight`` is ``params/blocks/3/attn/qkv/kernel`` (see
+``torch_names``). Pre-norm blocks, a class token read by the head, learned position
+embeddings, no dropout. LayerNorm uses an explicit eps and the two-pass variance
+E[(x - E[x])^2], as torch does; flax's default one-pass E[x^2] - E[x]^2 differs in
+the last bits, which float64 parity would see.
+"""
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxdp.models.resnet import linear_bias_init, linear_kernel_init
+
+# timm and torchvision ViTs use 1e-6 (torch's nn.LayerNorm default is 1e-5); the
+# torch twin passes the same value.
+LAYER_NORM_EPS = 1e-6
+
+CONFIGS = {
+    "vit-tiny": dict(dim=192, depth=12, heads=3, mlp_dim=768, patch=4),
+    "vit-small": dict(dim=384, depth=12, heads=6, mlp_dim=1536, patch=4),
+}
+
+# torchvision's init for the two bare tensors; every Linear, Conv and LayerNorm
+# keeps torch's layer default (resnet.linear_*_init is U(+-1/sqrt(fan_in))).
+pos_embed_init = nn.initializers.normal(0.02)
+
+
+def _accumulate(dtype):
+    """Softmax and attention logits run in at least float32 (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+class _Layers(nn.Module):
+    """Dense and LayerNorm factories shared by every part, so they init and compute alike."""
+
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def dense(self, features, fan_in, name):
+        return nn.Dense(
+            features, kernel_init=linear_kernel_init, bias_init=linear_bias_init(fan_in),
+            dtype=self.dtype, param_dtype=self.param_dtype, name=name,
+        )
+
+    def norm(self, name):
+        return nn.LayerNorm(
+            epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=self.dtype,
+            param_dtype=self.param_dtype, name=name,
+        )
+
+
+class Attention(_Layers):
+    """Multi-head self-attention with one fused ``qkv`` projection.
+
+    The qkv output splits as torch's ``reshape(B, N, 3, heads, head_dim)``: features
+    [0, dim) are q, then k, then v, each head a contiguous ``head_dim`` slice.
+    """
+
+    dim: int = 192
+    heads: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        b, n, _ = x.shape
+        head_dim = self.dim // self.heads
+        qkv = self.dense(3 * self.dim, self.dim, "qkv")(x).reshape(b, n, 3, self.heads, head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        acc = _accumulate(self.dtype)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=acc)
+        weights = nn.softmax(logits * (1.0 / math.sqrt(head_dim)), axis=-1).astype(self.dtype)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, n, self.dim)
+        return self.dense(self.dim, self.dim, "proj")(out)
+
+
+class Mlp(_Layers):
+    """fc1 -> exact (erf) GELU -> fc2, as torch's ``nn.GELU()``; flax defaults to tanh."""
+
+    dim: int = 192
+    mlp_dim: int = 768
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(self.dense(self.mlp_dim, self.dim, "fc1")(x), approximate=False)
+        return self.dense(self.dim, self.mlp_dim, "fc2")(x)
+
+
+class EncoderBlock(_Layers):
+    """One pre-norm transformer block: the unit FSDP / ZeRO-3 shards and gathers.
+
+    ``train`` is accepted so every FSDP unit (ResNet blocks too) has one call
+    signature; with no dropout it changes nothing.
+    """
+
+    dim: int = 192
+    heads: int = 3
+    mlp_dim: int = 768
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        common = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = x + Attention(dim=self.dim, heads=self.heads, name="attn", **common)(self.norm("norm1")(x))
+        return x + Mlp(dim=self.dim, mlp_dim=self.mlp_dim, name="mlp", **common)(self.norm("norm2")(x))
+
+
+class Blocks(nn.Module):
+    """torch's ``blocks = nn.Sequential(...)``: EncoderBlocks named '0', '1', ..."""
+
+    depth: int
+    dim: int
+    heads: int
+    mlp_dim: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train):
+        for i in range(self.depth):
+            x = EncoderBlock(
+                dim=self.dim, heads=self.heads, mlp_dim=self.mlp_dim, dtype=self.dtype,
+                param_dtype=self.param_dtype, name=str(i),
+            )(x, train)
+        return x
+
+
+class PatchEmbed(nn.Module):
+    """timm's ``patch_embed.proj``: a patch x patch convolution with stride patch,
+    i.e. one Linear per non-overlapping patch; tokens in row-major patch order."""
+
+    dim: int
+    patch: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        p = self.patch
+        fan_in = p * p * x.shape[-1]
+        x = nn.Conv(
+            self.dim, (p, p), strides=(p, p), padding="VALID", kernel_init=linear_kernel_init,
+            bias_init=linear_bias_init(fan_in), dtype=self.dtype, param_dtype=self.param_dtype,
+            name="proj",
+        )(x)
+        return x.reshape(x.shape[0], -1, self.dim)
+
+
+class ViT(_Layers):
+    num_classes: int = 10
+    image_size: int = 32
+    patch: int = 4
+    dim: int = 192
+    depth: int = 12
+    heads: int = 3
+    mlp_dim: int = 768
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        # Position embeddings are sized by the config, not by whatever image arrives.
+        if x.shape[1:3] != (self.image_size, self.image_size):
+            raise ValueError(f"ViT built for {self.image_size}x{self.image_size} images, got "
+                             f"{x.shape[1]}x{x.shape[2]}")
+        common = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = PatchEmbed(dim=self.dim, patch=self.patch, name="patch_embed", **common)(x.astype(self.dtype))
+        tokens = 1 + (self.image_size // self.patch) ** 2
+        cls = self.param("cls_token", nn.initializers.zeros, (1, 1, self.dim), self.param_dtype)
+        pos = self.param("pos_embed", pos_embed_init, (1, tokens, self.dim), self.param_dtype)
+        cls = jnp.broadcast_to(cls.astype(self.dtype), (x.shape[0], 1, self.dim))
+        x = jnp.concatenate([cls, x], axis=1) + pos.astype(self.dtype)
+        x = Blocks(depth=self.depth, dim=self.dim, heads=self.heads, mlp_dim=self.mlp_dim,
+                   name="blocks", **common)(x, train)
+        x = self.norm("norm")(x)[:, 0]
+        x = self.dense(self.num_classes, self.dim, "head")(x)
+        # Logits leave the model in at least float32 so the loss is never bf16.
+        return x.astype(jnp.promote_types(self.dtype, jnp.float32))
+
+
+# The module classes jaxdp's FSDP / ZeRO-3 treat as units (torch_ref fully_shards the same).
+FSDP_UNITS = (EncoderBlock,)
