@@ -3,7 +3,8 @@
 It shares only the numpy data pipeline and the weight conversion
 (``jaxdp.interop``) with jaxdp; everything else is ordinary PyTorch.
 
-- ``models``: torchvision-layout ResNets (``resnet(name, num_classes, width, blocks, stem)``).
+- ``models``: torchvision-layout ResNets (``resnet(name, num_classes, width, blocks, stem)``)
+  and ``create_model(name, ...)`` for every model, the timm-layout ViTs of ``vit`` included.
 - ``strategies``: dp (``nn.DataParallel``), ddp (``DistributedDataParallel`` + comm hooks),
   zero1 (DDP + ``ZeroRedundancyOptimizer``), zero2/zero3 (FSDP2 ``fully_shard``,
   ``reshard_after_forward`` False/True), hsdp (FSDP2 on a 2-D ``DeviceMesh``).
@@ -19,6 +20,6 @@ Nothing here imports JAX at module level (``jaxdp.optim`` is imported only for a
 non-constant lr schedule), so torch ranks start without it.
 """
 
-from torch_ref.models import MODELS, STEMS, ResNet, resnet
+from torch_ref.models import MODELS, STEMS, ResNet, create_model, resnet
 
-__all__ = ["MODELS", "STEMS", "ResNet", "resnet"]
+__all__ = ["MODELS", "STEMS", "ResNet", "create_model", "resnet"]

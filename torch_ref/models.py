@@ -1,4 +1,5 @@
-"""ResNet-18/34/50 in plain PyTorch, with torchvision's architecture and state_dict keys.
+"""ResNet-18/34/50 in plain PyTorch, with torchvision's architecture and state_dict keys,
+and ``create_model``, the factory for every model here (the ViTs live in ``vit.py``).
 
 This is the reference side of the parity tests. It follows
 ``torchvision.models.resnet`` layer for layer (so a torchvision ``state_dict``
@@ -7,7 +8,8 @@ first stage's channels, 64 in torchvision) and ``blocks`` (blocks per stage) for
 tiny test variants, and ``stem="cifar"`` (3x3/1 convolution, no max-pool) for
 32x32 inputs. torchvision itself is not a dependency.
 
-The choices and their error messages are those of ``jaxdp.models.create_model``.
+The choices and their error messages (``create_model``'s) are those of
+``jaxdp.models.create_model``.
 They are spelled out again here rather than imported, so that torch processes
 (torchrun ranks, benchmarks) do not have to import JAX; ``tests/test_interop.py``
 checks that the two lists agree.
@@ -17,6 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+
+from torch_ref import vit
 
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -80,7 +84,9 @@ ARCHITECTURES = {
     "resnet34": (BasicBlock, (3, 4, 6, 3)),
     "resnet50": (Bottleneck, (3, 4, 6, 3)),
 }
-MODELS = tuple(ARCHITECTURES)
+VIT_ARCHITECTURES = vit.CONFIGS
+MODELS = tuple(ARCHITECTURES) + tuple(VIT_ARCHITECTURES)
+FAMILIES = {**{n: "resnet" for n in ARCHITECTURES}, **{n: "vit" for n in VIT_ARCHITECTURES}}
 STEMS = ("cifar", "imagenet")
 
 
@@ -140,7 +146,7 @@ def resnet(name: str = "resnet18", num_classes: int = 10, width: int = 64,
     ``torchvision.models.resnet18()`` exactly, state_dict keys included.
     """
     if name not in ARCHITECTURES:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ARCHITECTURES)}")
     if stem not in STEMS:
         raise ValueError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
     if width < 1:
@@ -153,4 +159,51 @@ def resnet(name: str = "resnet18", num_classes: int = 10, width: int = 64,
     return ResNet(block, layers, num_classes=num_classes, width=width, stem=stem)
 
 
-__all__ = ["ARCHITECTURES", "MODELS", "STEMS", "BasicBlock", "Bottleneck", "ResNet", "resnet"]
+# Each family's own options with their defaults; the other family's are refused unless
+# left at their defaults (as in jaxdp.models, whose messages these are).
+_RESNET_OPTIONS = {"width": 64, "blocks": None, "stem": "cifar"}
+_VIT_OPTIONS = ("depth", "dim", "heads", "mlp_dim", "patch", "image_size")
+
+# The module classes torch_ref.strategies fully_shards as FSDP units, every family's.
+FSDP_UNITS = (BasicBlock, Bottleneck) + vit.FSDP_UNITS
+
+
+def _positive(option: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{option} must be a positive integer, got {value!r}")
+    return value
+
+
+def create_model(name: str = "resnet18", *, num_classes: int = 10, width: int = 64,
+                 blocks: Optional[Sequence[int]] = None, stem: str = "cifar",
+                 depth: Optional[int] = None, dim: Optional[int] = None,
+                 heads: Optional[int] = None, mlp_dim: Optional[int] = None,
+                 patch: Optional[int] = None, image_size: Optional[int] = None) -> nn.Module:
+    """Any model in MODELS (float32), with ``jaxdp.models.create_model``'s options and
+    errors (ValueError here): ``width``/``blocks``/``stem`` for a ResNet,
+    ``depth``/``dim``/``heads``/``mlp_dim``/``patch``/``image_size`` for a ViT."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    given = dict(width=width, blocks=blocks, stem=stem, depth=depth, dim=dim, heads=heads,
+                 mlp_dim=mlp_dim, patch=patch, image_size=image_size)
+    if FAMILIES[name] == "resnet":
+        for option in _VIT_OPTIONS:
+            if given[option] is not None:
+                raise ValueError(f"{option}={given[option]!r} does not apply to {name}; "
+                                 f"ResNet options: width, blocks, stem")
+        return resnet(name, num_classes=num_classes, width=width, blocks=blocks, stem=stem)
+    for option, default in _RESNET_OPTIONS.items():
+        if given[option] != default:
+            raise ValueError(f"{option}={given[option]!r} does not apply to {name}; "
+                             f"ViT options: {', '.join(_VIT_OPTIONS)}")
+    config = {**VIT_ARCHITECTURES[name], "image_size": 32}
+    config.update({k: _positive(k, given[k]) for k in _VIT_OPTIONS if given[k] is not None})
+    if config["dim"] % config["heads"]:
+        raise ValueError(f"dim {config['dim']} must be divisible by heads {config['heads']}")
+    if config["image_size"] % config["patch"]:
+        raise ValueError(f"image_size {config['image_size']} must be divisible by patch {config['patch']}")
+    return vit.VisionTransformer(num_classes=num_classes, **config)
+
+
+__all__ = ["ARCHITECTURES", "FAMILIES", "FSDP_UNITS", "MODELS", "STEMS", "VIT_ARCHITECTURES",
+           "BasicBlock", "Bottleneck", "ResNet", "create_model", "resnet"]

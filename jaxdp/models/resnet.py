@@ -163,3 +163,7 @@ class ResNet(_Layers):
         )(x)
         # Logits leave the model in at least float32 so the loss is never bf16.
         return x.astype(jnp.promote_types(self.dtype, jnp.float32))
+
+
+# The module classes jaxdp's FSDP / ZeRO-3 treat as units (torch_ref fully_shards the same).
+FSDP_UNITS = (BasicBlock, Bottleneck)
