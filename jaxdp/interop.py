@@ -1,4 +1,4 @@
-"""Weight conversion between torchvision-layout ``state_dict``s and jaxdp's Flax ResNets.
+"""Weight conversion between torch ``state_dict``s and jaxdp's Flax models.
 
 The one place where torch and Flax names and layouts meet. It works on numpy
 arrays only and never imports torch, so jaxdp stays importable without it
@@ -23,6 +23,10 @@ NHWC, hence OIHW -> HWIO is ``transpose(2, 3, 1, 0)`` and HWIO -> OIHW is
 while ``nn.Dense`` computes ``x @ K + b`` with K (in, out), so K = W.T.
 Everything else (BN vectors, biases) is stored identically.
 
+ViTs. Every public function here also takes a ViT (timm layout, see
+``jaxdp.models.vit.torch_names``), told apart by its ``cls_token``: the names
+follow that module's grammar, the layouts the rules above.
+
 Conversion only moves and permutes values, never does arithmetic, so every
 round trip is bit-exact. The same rules convert any params-shaped tree (grads,
 SGD momentum, Adam m/v) to torch names and layout: ``tree_to_torch_names``.
@@ -33,6 +37,8 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import jax
 import numpy as np
+
+from jaxdp.models.vit import torch_names as vit_names
 
 Path = Tuple[str, ...]
 
@@ -178,6 +184,10 @@ def param_name_map(params, kind: str = "param") -> Dict[str, Path]:
     batch_stats tree (``kind="batch_stats"``), in torchvision's order."""
     if kind not in _KIND_LEAVES:
         raise ValueError(f"kind must be one of {', '.join(_KIND_LEAVES)}, got {kind!r}")
+    if vit_names.is_vit_tree(params):
+        if kind != "param":
+            raise ValueError("a ViT has no batch_stats; its tree is a param tree")
+        return vit_names.param_name_map(_flatten(params))
     names = {_torch_name(path, kind): path for path in _flatten(params)}
     return {n: names[n] for n in _torchvision_order(names)}
 
@@ -233,9 +243,18 @@ def variables_from_state_dict(state_dict: Mapping[str, Any], dtype=None) -> dict
     for ``jaxdp.models.create_model(...)`` (nested dicts of numpy arrays; cast to
     ``dtype`` if given, e.g. ``"float64"``). ``num_batches_tracked`` is dropped.
 
-    Raises ValueError naming every missing or unexpected key."""
-    _check_resnet_keys(state_dict, "state_dict")
+    Raises ValueError naming every missing or unexpected key.
+
+    A ViT's state_dict gives ``{"params"}`` alone (it has no buffers), as its ``init`` does."""
     cast = (lambda x: x) if dtype is None else (lambda x: x.astype(np.dtype(dtype)))
+    if vit_names.is_vit_state_dict(state_dict):
+        vit_names.check_keys(state_dict, "state_dict")
+        flat = {}
+        for name, value in state_dict.items():
+            path = vit_names.flax_path(name)
+            flat[path] = cast(_to_flax_layout(path[-1], _numpy(value)))
+        return {"params": _nest(flat)}
+    _check_resnet_keys(state_dict, "state_dict")
     params, stats = {}, {}
     for name, value in state_dict.items():
         *module, leaf = name.split(".")
@@ -262,8 +281,13 @@ def state_dict_from_variables(variables: Mapping[str, Any], num_batches_tracked:
     ``model.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})``.
 
     Every BN gets ``num_batches_tracked`` (an int64 scalar): torch counts
-    training forwards there, jaxdp does not track it."""
+    training forwards there, jaxdp does not track it. A ViT has no BN, hence no such key."""
     named = tree_to_torch_names(variables["params"], "param")
+    if vit_names.is_vit_tree(variables["params"]):
+        if variables.get("batch_stats"):
+            raise ValueError("a ViT has no batch_stats, but variables carry some")
+        order = vit_names.check_keys(named, "variables")
+        return {k: named[k] for k in order}
     stats = tree_to_torch_names(variables.get("batch_stats", {}), "batch_stats")
     named.update(stats)
     for name in stats:
