@@ -9,7 +9,7 @@ strategy   PyTorch                                                              
            (torch 2.13's name for ``broadcast_buffers=True``), optional comm
            hook: bf16 / fp16 compression or PowerSGD
 ``zero1``  DDP + ``ZeroRedundancyOptimizer`` (optimizer state sharded)          ``zero1``
-``zero2``  FSDP2 ``fully_shard`` on each residual block and the root,           ``zero2``
+``zero2``  FSDP2 ``fully_shard`` on each residual/encoder block and the root,   ``zero2``
            ``reshard_after_forward=False`` (params stay gathered until backward)
 ``zero3``  the same with ``reshard_after_forward=True`` (re-gathered in backward)  ``zero3``
 ``hsdp``   FSDP2 on a 2-D ``DeviceMesh`` ("replicate", "shard")                 ``hsdp``
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_ref import dist as tdist
+from torch_ref.models import FSDP_UNITS
 
 STRATEGIES = ("dp", "ddp", "zero1", "zero2", "zero3", "hsdp")
 COMPRESSIONS = ("bf16", "fp16", "powersgd")
@@ -88,10 +89,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _residual_blocks(model: nn.Module):
-    """The ResNet's residual blocks (torchvision layout: layer1..layer4 are Sequentials)."""
-    for stage in ("layer1", "layer2", "layer3", "layer4"):
-        yield from getattr(model, stage)
+def _fsdp_blocks(model: nn.Module):
+    """The modules FSDP2 shards one by one, in forward order: every instance of the
+    model family's unit classes (``models.FSDP_UNITS``: a ResNet's residual blocks, a
+    ViT's encoder blocks), so this never names a model."""
+    return [m for m in model.modules() if isinstance(m, FSDP_UNITS)]
 
 
 # ----------------------------------------------------------------------------- the strategies
@@ -144,10 +146,11 @@ def zero1(model: nn.Module, **ddp_options):
 
 def fsdp(model: nn.Module, *, reshard_after_forward: bool, mesh=None,
          mixed_precision: bool = False) -> nn.Module:
-    """FSDP2: ``fully_shard`` each residual block, then the root (stem, fc and whatever the
-    blocks left). ``reshard_after_forward=False`` keeps each block's gathered params until
-    its backward (ZeRO-2: one all-gather per step); ``True`` frees them after the forward
-    and all-gathers again in the backward (ZeRO-3). With ``mixed_precision`` the forward
+    """FSDP2: ``fully_shard`` each block (ResNet residual block, ViT encoder block), then
+    the root (stem, head and whatever the blocks left). ``reshard_after_forward=False``
+    keeps each block's gathered params until its backward (ZeRO-2: one all-gather per
+    step); ``True`` frees them after the forward and all-gathers again in the backward
+    (ZeRO-3). With ``mixed_precision`` the forward
     and backward run in bf16 and gradients are reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -157,7 +160,7 @@ def fsdp(model: nn.Module, *, reshard_after_forward: bool, mesh=None,
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
-    for block in _residual_blocks(model):
+    for block in _fsdp_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
