@@ -29,8 +29,12 @@ def simulate_cpu_devices(n: int) -> None:
 
 
 def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] = None,
-              axis_names: Sequence[str] = (DATA_AXIS,)):
+              axis_names: Sequence[str] = (DATA_AXIS,), *, data: Optional[int] = None,
+              replica: Optional[int] = None):
     """A mesh over the first ``num_devices`` devices (all by default).
+
+    Named sizes are the short form: ``make_mesh(data=4)``, or ``make_mesh(replica=2, data=4)``
+    for HSDP's (replica, data) mesh.
 
     ``shape``/``axis_names`` give a 2-D mesh, e.g. ``(2, 4), ("replica", "data")`` for HSDP.
     Devices are ordered process by process, so each process's devices form one
@@ -41,6 +45,12 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
     import jax
     from jax.sharding import Mesh
 
+    if data is not None or replica is not None:
+        if shape is not None or num_devices is not None:
+            raise MeshError("give either named axis sizes (data=, replica=) or num_devices/shape")
+        if data is None or min(data, replica or 1) < 1:
+            raise MeshError(f"axis sizes must be positive, got data={data} replica={replica}")
+        shape, axis_names = ((replica, data), (REPLICA_AXIS, DATA_AXIS)) if replica else ((data,), (DATA_AXIS,))
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = num_devices or (int(np.prod(shape)) if shape else len(devices))
     if n > len(devices):

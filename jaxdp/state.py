@@ -10,6 +10,6 @@ import jax
 class TrainState:
     step: jax.Array  # optimizer updates applied so far
     params: Any
-    batch_stats: Any
+    model_state: Any  # the model's mutable collections, e.g. {"batch_stats": ...}; {} for none
     opt_state: Any
-    extra: Any = None  # strategy-owned state, e.g. compression error feedback
+    extra: Any = None  # strategy-owned state: PowerSGD's error feedback, async's params history

@@ -1,36 +1,61 @@
-"""Data-parallel strategies, one module each. They share ``base.Strategy``:
+"""Data-parallel strategies, one module each, over the engine in ``base.py``:
 
-- ``ddp``: replicated state, bucketed gradient all-reduce (torch DDP); ring all-reduce and compression options.
+- ``ddp``: replicated state, bucketed gradient all-reduce (torch DDP); ring all-reduce and
+  compression hooks are options of its ``sync.AllReduce``.
 - ``dp``: torch's single-controller ``nn.DataParallel`` (pmap): grads summed on device 0, params broadcast.
 - ``async``: bounded-staleness parameter server: each worker reads params 0..k updates old (k = 0 is DDP).
-- ``zero1``: DDP with the optimizer state sharded; updated params all-gathered.
-- ``zero2``: ZeRO-1 with gradients reduce-scattered instead of all-reduced.
-- ``zero3``: params sharded too, gathered per unit (block) on use and again in backward (FSDP).
-- ``hsdp``: ZeRO-3 within each shard group of an (R, S) mesh, all-reduce across the R replicas.
+- ``zero``: ZeRO stages 1 (optimizer state sharded), 2 (+ gradients reduce-scattered), 3 (+ params,
+  gathered per FSDP unit on use) and HSDP (stage 3 within groups of a 2-D mesh), one module.
+
+Each strategy carries its own facts: ``name``, ``torch_twin``, what it shards, and its options
+(its constructor's keywords). No strategy names a model: models bring their FSDP units.
 """
 
-from jaxdp.strategies.base import Strategy, StrategyError
+import inspect as _inspect
+from typing import Dict
+
 from jaxdp.strategies.async_ps import AsyncPS
+from jaxdp.strategies.base import Strategy, StrategyError
 from jaxdp.strategies.ddp import DDP
 from jaxdp.strategies.dp import DataParallel
-from jaxdp.strategies.hsdp import HSDP
-from jaxdp.strategies.zero1 import ZeRO1
-from jaxdp.strategies.zero2 import ZeRO2
-from jaxdp.strategies.zero3 import ZeRO3
+from jaxdp.strategies.zero import ZeRO
 
-REGISTRY = {"ddp": DDP, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3, "hsdp": HSDP,
-            "dp": DataParallel, "async": AsyncPS}
+# name -> (class, the options that name fixes)
+REGISTRY = {
+    "ddp": (DDP, {}),
+    "zero1": (ZeRO, {"stage": 1}),
+    "zero2": (ZeRO, {"stage": 2}),
+    "zero3": (ZeRO, {"stage": 3}),
+    "hsdp": (ZeRO, {"stage": 3, "hsdp": True}),
+    "dp": (DataParallel, {}),
+    "async": (AsyncPS, {}),
+}
 STRATEGIES = tuple(REGISTRY)
 
 
-def create_strategy(name: str, model, tx, mesh, **options) -> Strategy:
+def options_of(name: str) -> Dict[str, object]:
+    """The options a strategy name takes, with defaults (read from its constructor)."""
+    cls, fixed = REGISTRY[name]
+    params = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" in vars(klass) and issubclass(klass, Strategy):
+            for p in _inspect.signature(klass.__init__).parameters.values():
+                if p.kind == p.KEYWORD_ONLY:
+                    params[p.name] = p.default
+    return {k: v for k, v in params.items() if k not in fixed and k != "hsdp"}
+
+
+def create_strategy(name: str, model, task, tx, mesh, **options) -> Strategy:
     """Build a strategy by name; unknown names and options get a one-line error."""
     if name not in REGISTRY:
         raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    try:
-        return REGISTRY[name](model, tx, mesh, **options)
-    except TypeError as e:  # an option this strategy does not take
-        raise StrategyError(f"strategy {name!r}: {e}") from None
+    unknown = set(options) - set(options_of(name))
+    if unknown:
+        raise StrategyError(f"strategy {name!r} takes no option {', '.join(sorted(unknown))}; "
+                            f"it takes {', '.join(sorted(options_of(name)))}")
+    cls, fixed = REGISTRY[name]
+    return cls(model, task, tx, mesh, **fixed, **options)
 
 
-__all__ = ["AsyncPS", "DDP", "DataParallel", "HSDP", "ZeRO1", "ZeRO2", "ZeRO3", "REGISTRY", "STRATEGIES", "Strategy", "StrategyError", "create_strategy"]
+__all__ = ["AsyncPS", "DDP", "DataParallel", "ZeRO", "REGISTRY", "STRATEGIES", "Strategy", "StrategyError",
+           "create_strategy", "options_of"]

@@ -1,5 +1,8 @@
 """Bounded-staleness parameter server ("async"), simulated deterministically.
 
+Against ``ddp.py``: the same all-reduce (``sync.AllReduce``), but each worker's gradient
+is taken at params up to k updates old (step 1 below); everything else is DDP's.
+
 Asynchronous SGD lets workers compute gradients on weights that are already
 out of date by the time the server applies them. This strategy simulates it
 with a bound k = ``staleness`` and a seeded, reproducible arrival schedule, so
@@ -28,8 +31,8 @@ t is one round:
    the params each of them read.
 
 Why k = 0 is DDP: every d_{t,i} = 0, so every worker reads theta_t and the
-round is exactly DDP's step; the code takes DDP's ``local_step`` itself, so it
-is DDP op for op (bit-identical). For k > 0 a round with all d = 0 is DDP's
+round is exactly DDP's step, through this module's own code (the test compares
+it with ``ddp.py``'s, bit for bit). For k > 0 a round with all d = 0 is DDP's
 step too (``jnp.where`` selects theta_t exactly).
 
 History, and its memory. Update t needs theta_{t-k} .. theta_t. theta_t is
@@ -49,21 +52,27 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdp.strategies.base import StrategyError, ddp_buffers, local_grads, train_metrics
-from jaxdp.strategies.ddp import DDP
+from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.sync import AllReduce, SyncError
 
 
-class AsyncPS(DDP):
+class AsyncPS(Strategy):
     name = "async"
+    torch_twin = "DistributedDataParallel (k = 0)"
 
-    def __init__(self, model, tx, mesh, *, staleness: int = 0, staleness_seed: int = 0, bucket_cap_mb=None,
+    def __init__(self, model, task, tx, mesh, *, staleness: int = 0, staleness_seed: int = 0, bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, **kwargs):
-        super().__init__(model, tx, mesh, bucket_cap_mb=bucket_cap_mb, allreduce=allreduce,
-                         compress=compress, **kwargs)
+        super().__init__(model, task, tx, mesh, **kwargs)
         if staleness < 0:
             raise StrategyError(f"staleness must be >= 0, got {staleness}")
-        if self.powersgd is not None:
-            raise StrategyError("async does not combine with powersgd (both keep state in extra)")
+        if compress == "powersgd":
+            raise StrategyError("async does not combine with powersgd: the server averages plain gradients "
+                                "(bf16/fp16 compression works)")
+        try:
+            self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress)
+        except SyncError as e:
+            raise StrategyError(str(e)) from None
+        self.check_vma = allreduce != "ring"
         self.staleness = staleness
         self.staleness_seed = staleness_seed
 
@@ -71,7 +80,22 @@ class AsyncPS(DDP):
         if self.staleness == 0:
             return None
         return {"history": jax.tree_util.tree_map(
-            lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), params)}
+            lambda x: jnp.broadcast_to(jnp.zeros(x.shape, x.dtype), (self.staleness,) + tuple(x.shape)), params)}
+
+    def from_canonical(self, state):
+        # Every history slot starts as theta_0 (what max(0, t - d) reads before k updates exist).
+        if self.staleness and state.extra is None:
+            state = state.replace(extra={"history": jax.tree_util.tree_map(
+                lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), state.params)})
+        return super().from_canonical(state)
+
+    def init(self, rng, example_batch):
+        state = super().init(rng, example_batch)
+        if self.staleness == 0:
+            return state
+        history = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), p),
+                          out_shardings=self.state_shardings(state).extra["history"])(state.params)
+        return state.replace(extra={"history": history})
 
     # -- per device (one worker) ----------------------------------------------------------------
     def worker_delay(self, step):
@@ -82,31 +106,31 @@ class AsyncPS(DDP):
 
     def params_read(self, state):
         """theta_{max(0, t - d)} for this worker: the current params or a ring-buffer slot."""
+        current = jax.lax.pcast(state.params, self.axis, to="varying")
+        if self.staleness == 0:
+            return current
         delay = self.worker_delay(state.step)
         slot = (state.step - delay) % self.staleness  # t - d < 0 lands on a slot still holding theta_0
-        current = jax.lax.pcast(state.params, self.axis, to="varying")
         return jax.tree_util.tree_map(
             lambda p, h: jnp.where(delay == 0, p, jax.lax.dynamic_index_in_dim(h, slot, 0, keepdims=False)),
             current, state.extra["history"])
 
-    def local_step(self, state, images, labels):
-        k = self.staleness
-        if k == 0:
-            return super().local_step(state, images, labels)
-        loss, grads, batch_stats, correct = local_grads(
-            self.model, self.params_read(state), state.batch_stats, images, labels, self.accum_steps
-        )
-        grads, _ = self.all_reduce(grads)  # the server's average of the round's gradients
+    def local_step(self, state, batch):
+        loss, grads, model_state, metrics = local_grads(
+            self.task.loss_fn, self.params_read(state), state.model_state, batch, self.step_key(state.step),
+            self.accum_steps)
+        grads, _ = self.sync(grads, None, state.step, self.axis, self.num_devices, self.param_order)  # the server's average
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        slot = state.step % k  # theta_t replaces theta_{t-k}, which no later update reads
-        history = jax.tree_util.tree_map(lambda h, p: jax.lax.dynamic_update_index_in_dim(h, p, slot, 0),
-                                         state.extra["history"], state.params)
+        extra = state.extra
+        if self.staleness:
+            slot = state.step % self.staleness  # theta_t replaces theta_{t-k}, which no later update reads
+            extra = {"history": jax.tree_util.tree_map(lambda h, p: jax.lax.dynamic_update_index_in_dim(h, p, slot, 0),
+                                                       state.extra["history"], state.params)}
         new_state = state.replace(
             step=state.step + 1,
             params=optax.apply_updates(state.params, updates),
-            batch_stats=ddp_buffers(batch_stats, self.axis, self.sync_bn),
+            model_state=ddp_buffers(model_state, self.axis, self.sync_bn),
             opt_state=opt_state,
-            extra={"history": history},
+            extra=extra,
         )
-        return new_state, train_metrics(loss, correct, images.shape[0], self.axis,
-                                        grads if self.return_grads else None)
+        return new_state, train_metrics(loss, metrics, self.axis, grads if self.return_grads else None)

@@ -1,27 +1,34 @@
-"""What every strategy shares: the per-device forward/backward and the shard_map plumbing.
+"""What every strategy shares: the per-device forward/backward, state placement and the shard_map plumbing.
 
-A strategy says only *where state lives* (``state_specs``) and *where the
-collectives go* (``local_step``). Everything here runs per device inside
-``jax.shard_map``; the batch is always split over the data axis.
+A strategy says only *where state lives* (``sharded_params``/``sharded_opt_state`` and
+``state_specs``) and *where the collectives go* (``local_step``); it never names a model.
+Everything in ``local_step`` runs per device inside ``jax.shard_map``; the batch (any
+pytree) is always split over ``batch_axes``.
 
-The check_vma gradient trap: params that enter shard_map replicated (``P()``)
-would get gradients that autodiff has already summed over the axis, because the
-implicit broadcast to "varying" transposes to a psum. ``local_grads`` therefore
-takes params it can cast to varying itself, so each device's gradient is its own
-and every strategy states its reduction explicitly.
+The check_vma gradient trap: params that enter shard_map replicated (``P()``) would get
+gradients that autodiff has already summed over the axis, because the implicit broadcast
+to "varying" transposes to a psum. Strategies therefore cast params to varying
+themselves before ``local_grads``, so each device's gradient is its own and every
+strategy states its reduction explicitly.
+
+Layouts. The *canonical* layout is DDP's: full params and optimizer state (parity checks
+and tests read it). The *stored* layout is what checkpoints hold: canonical shapes,
+each tensor sharded over the data axis along a dimension N divides (``stored_specs``),
+so each device writes only its part and any strategy at any N can read it.
 """
 
-from typing import Any, Optional
+from typing import Any, Callable, Dict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxdp import task as tasks
 from jaxdp.mesh import DATA_AXIS, shard_batch
 from jaxdp.state import TrainState
-from jaxdp.strategies import flat
+from jaxdp.strategies import layout
+from jaxdp.strategies.buckets import insertion_order_paths
 
 
 class StrategyError(ValueError):
@@ -30,55 +37,47 @@ class StrategyError(ValueError):
 
 # ----------------------------------------------------------------------------- per-device math
 
-def cross_entropy(logits, labels):
-    """Mean cross-entropy, as torch.nn.functional.cross_entropy(reduction='mean')."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def local_grads(model, params, batch_stats, images, labels, accum_steps: int = 1):
+def local_grads(loss_fn: Callable, params, model_state, batch, rng, accum_steps: int = 1):
     """Forward/backward on this device's batch, accumulated over micro-batches.
 
-    Mirrors torch's ``no_sync`` loop: each micro-batch's loss is scaled by 1/K,
-    gradients are summed locally (the first one is taken as is, like a fresh
-    ``.grad``), and BN running stats are threaded through the micro-steps.
-    Returns (mean micro-batch loss, summed grads, new batch_stats, correct count).
+    Mirrors torch's ``no_sync`` loop: each micro-batch's loss is scaled by 1/K, gradients
+    are summed locally (the first one is taken as is, like a fresh ``.grad``), and the
+    model state (BN running stats) is threaded through the micro-steps.
+    Returns (mean micro-batch loss, summed grads, new model_state, mean metrics).
     """
 
-    def micro_step(p, bs, x, y):
-        def loss_fn(p):
-            logits, updated = model.apply(
-                {"params": p, "batch_stats": bs}, x, train=True, mutable=["batch_stats"]
-            )
-            loss = cross_entropy(logits, y)
-            return loss / accum_steps, (loss, updated["batch_stats"], logits)
+    def micro_step(p, ms, b, key):
+        def scaled(p):
+            loss, (new_ms, metrics) = loss_fn(p, ms, b, key)
+            return loss / accum_steps, (loss, new_ms, metrics)
 
-        grads, (loss, bs, logits) = jax.grad(loss_fn, has_aux=True)(p)
-        correct = (jnp.argmax(logits, -1) == y).sum()
-        return grads, bs, loss, correct
+        grads, (loss, ms, metrics) = jax.grad(scaled, has_aux=True)(p)
+        return grads, ms, loss, metrics
 
-    if images.shape[0] % accum_steps:
-        raise StrategyError(
-            f"per-device batch {images.shape[0]} is not divisible by {accum_steps} accumulation steps"
-        )
-    micro = images.shape[0] // accum_steps
-    xs = images.reshape(accum_steps, micro, *images.shape[1:])
-    ys = labels.reshape(accum_steps, micro)
-    grads, batch_stats, loss, correct = micro_step(params, batch_stats, xs[0], ys[0])
+    size = tasks.batch_size(batch)
+    if size % accum_steps:
+        raise StrategyError(f"per-device batch {size} is not divisible by {accum_steps} accumulation steps")
+    micro = jax.tree_util.tree_map(lambda x: x.reshape(accum_steps, size // accum_steps, *x.shape[1:]), batch)
+    keys = jax.random.split(rng, accum_steps)
+    first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    grads, model_state, loss, metrics = micro_step(params, model_state, first, keys[0])
     if accum_steps == 1:
-        return loss, grads, batch_stats, correct
+        return loss, grads, model_state, metrics
 
     # The first micro-step seeds the carry, so every carried value is already
     # per-device ("varying") and the scan's carry types line up.
-    def body(carry, xy):
-        g_acc, bs, loss_acc, correct_acc = carry
-        g, bs, loss, correct = micro_step(params, bs, *xy)
-        g_acc = jax.tree_util.tree_map(jnp.add, g_acc, g)
-        return (g_acc, bs, loss_acc + loss, correct_acc + correct), None
+    def body(carry, xs):
+        g_acc, ms, loss_acc, m_acc = carry
+        b, key = xs
+        g, ms, loss, m = micro_step(params, ms, b, key)
+        add = lambda a, c: jax.tree_util.tree_map(jnp.add, a, c)  # noqa: E731
+        return (add(g_acc, g), ms, loss_acc + loss, add(m_acc, m)), None
 
-    (grads, batch_stats, loss_sum, correct), _ = jax.lax.scan(
-        body, (grads, batch_stats, loss, correct), (xs[1:], ys[1:])
-    )
-    return loss_sum / accum_steps, grads, batch_stats, correct
+    rest = jax.tree_util.tree_map(lambda x: x[1:], micro)
+    (grads, model_state, loss_sum, metric_sum), _ = jax.lax.scan(
+        body, (grads, model_state, loss, metrics), (rest, keys[1:]))
+    metrics = jax.tree_util.tree_map(lambda m: m / accum_steps, metric_sum)
+    return loss_sum / accum_steps, grads, model_state, metrics
 
 
 def broadcast_from(tree, axis, source: int = 0):
@@ -89,13 +88,13 @@ def broadcast_from(tree, axis, source: int = 0):
     )
 
 
-def ddp_buffers(batch_stats, axis, sync_bn: bool):
-    """BN running stats after a step.
+def ddp_buffers(model_state, axis, sync_bn: bool):
+    """The model state (BN running stats, ...) after a step.
 
-    DDP broadcasts rank 0's buffers before every forward, so the running stats
-    follow rank 0's trajectory; with SyncBN they are already identical.
+    DDP broadcasts rank 0's buffers before every forward, so they follow rank 0's
+    trajectory; with SyncBN they are already identical on every device.
     """
-    return batch_stats if sync_bn else broadcast_from(batch_stats, axis)
+    return model_state if sync_bn else broadcast_from(model_state, axis)
 
 
 def per_device(x, axis):
@@ -104,37 +103,29 @@ def per_device(x, axis):
     return jax.lax.psum(jax.nn.one_hot(jax.lax.axis_index(axis), n, dtype=x.dtype) * x, axis)
 
 
-def train_metrics(loss, correct, local_count, axis, grads=None):
-    """Global loss and accuracy, each device's loss, and (for parity checks) the full averaged grads."""
+def train_metrics(loss, metrics, axis, grads=None):
+    """Global mean loss and user metrics, each device's loss, and (parity checks) the averaged grads."""
     n = jax.lax.axis_size(axis)
-    metrics = {
-        "loss": jax.lax.psum(loss, axis) / n,
-        "loss_per_device": per_device(loss, axis),
-        "accuracy": jax.lax.psum(correct, axis) / (local_count * n),
-    }
+    out = {name: jax.lax.psum(m, axis) / n for name, m in metrics.items()}
+    out.update(loss=jax.lax.psum(loss, axis) / n, loss_per_device=per_device(loss, axis))
     if grads is not None:
-        metrics["grads"] = grads
-    return metrics
+        out["grads"] = grads
+    return out
 
 
 # ----------------------------------------------------------------------------- the interface
 
 class Strategy:
-    """Base class: ``init_state(variables) -> state`` and ``step(state, images, labels)``.
-
-    Subclasses define ``state_specs`` (where each part of the TrainState lives)
-    and ``local_step`` (the per-device update with its collectives).
-    """
+    """Base class. Subclasses set the class facts below and write ``local_step``."""
 
     name = "base"
+    torch_twin = None  # what torch_ref runs for the same strategy
     batch_axes: Any = DATA_AXIS  # mesh axes the batch is split over
-    # Which parts this strategy keeps in the flat, padded, sharded layout of ``flat.py``
-    # (DDP: none; ZeRO-1/2: the optimizer state; ZeRO-3: the params too).
-    flat_params = False
-    flat_opt_state = False
+    sharded_params = False  # ZeRO-3: params live as chunks (layout.py)
+    sharded_opt_state = False  # ZeRO-1/2/3: per-parameter optimizer tensors live as chunks
 
-    def __init__(self, model, tx: optax.GradientTransformation, mesh, *, accum_steps: int = 1,
-                 sync_bn: bool = False, axis: str = DATA_AXIS, return_grads: bool = False):
+    def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
+                 axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0):
         if accum_steps < 1:
             raise StrategyError(f"accum_steps must be >= 1, got {accum_steps}")
         if axis not in mesh.axis_names:
@@ -142,152 +133,283 @@ class Strategy:
         self.mesh = mesh
         self.axis = axis
         self.num_devices = int(np.prod([mesh.shape[a] for a in _as_tuple(self.batch_axes)]))
-        self.shards = mesh.shape[axis]  # chunks of the flat layout (HSDP: the shard group's size)
-        self.shapes = None  # the full params' shapes, known once a state is built
+        self.shards = mesh.shape[axis]  # how many ways sharded state is cut (HSDP: the shard group)
         self.tx = tx
         self.accum_steps = accum_steps
         self.sync_bn = sync_bn
+        self.seed = seed
         # Parity checks compare the averaged gradients too; off in training (it costs memory).
         self.return_grads = return_grads
         self.model = _with_bn_axis(model, self.batch_axes if sync_bn else None)
+        if sync_bn and not hasattr(model, "bn_axis_name"):
+            raise StrategyError("sync_bn needs a model whose BatchNorm takes its reduction axes as `bn_axis_name`")
+        self.task = task.with_model(self.model) if sync_bn else task
+        self.eval_task = task.with_model(_with_bn_axis(model, None)) if sync_bn else task
+        self.shapes = None  # the full params' shapes, known once a state is built
+        self.param_order = None  # the params' definition order (torch's model.parameters())
         self._jit_step = None
         self._jit_eval = None
 
+    # -- learning the model's structure (abstractly: nothing is computed) -----------------------
+    def init_fn(self, rng, batch):
+        return self.model.init(rng, *self.task.model_inputs(batch), **self.task.init_kwargs)
+
+    def learn_structure(self, batch) -> None:
+        """Read what the strategy needs from the model once, from a (local or global) batch's shapes."""
+        if self.param_order is not None:
+            return
+        order = []
+
+        def init(b):
+            variables = self.init_fn(jax.random.key(0), b)
+            order.extend(insertion_order_paths(variables["params"]))  # before JAX sorts the dict
+            return variables
+
+        self.param_order = order
+        self._learn_units(init, _abstract(batch))
+
+    def _learn_units(self, init, batch) -> None:
+        jax.eval_shape(init, batch)
+
     # -- placement ---------------------------------------------------------------------------
     def state_specs(self, state: TrainState):
-        """PartitionSpec tree (or prefix) for the state. Default: replicated."""
-        return P()
+        """PartitionSpec tree for the state, from the class facts and the strategy's own ``extra``."""
+        n, axis = self.shards, self.axis
+        shard = lambda tree, on: layout.tree_specs(tree, n, axis) if on else jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
+        return TrainState(
+            step=P(), params=shard(state.params, self.sharded_params), model_state=shard(state.model_state, False),
+            opt_state=shard(state.opt_state, self.sharded_opt_state), extra=self.extra_specs(state.extra))
 
-    def init_state(self, variables) -> TrainState:
-        params = variables["params"]
-        self.shapes = flat.shapes_of(params)
-        state = TrainState(
-            step=jnp.zeros((), jnp.int32), params=params,
-            batch_stats=variables.get("batch_stats", {}), opt_state=self.tx.init(params),
-            extra=self.init_extra(params),
-        )
-        return self.place(state)
+    def extra_specs(self, extra):
+        return jax.tree_util.tree_map(lambda _: P(), extra)
+
+    def state_shardings(self, state):
+        return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state),
+                                      is_leaf=lambda x: isinstance(x, P))
 
     def init_extra(self, params):
         return None
 
-    def place(self, state: TrainState) -> TrainState:
-        """Put a host/global state onto the mesh with this strategy's layout.
+    def init(self, rng, example_batch) -> TrainState:
+        """A fresh state, each device creating only its own shards.
 
-        Always copies: ``step`` donates its state, which must never delete the
-        caller's own arrays (e.g. the initial variables they keep for reference).
+        Shapes come from ``eval_shape``; ``model.init`` and ``tx.init`` then run under ``jit``
+        with this strategy's output shardings, so a ZeRO-3 model that fits only sharded can
+        start: no device (and not the host) ever holds what the strategy does not keep.
         """
-        # may_alias=False alone still aliased device 0's buffer in JAX 0.10.2.
-        state = jax.tree_util.tree_map(jnp.copy, state)
-        return jax.device_put(state, self.state_shardings(state), may_alias=False)
+        self.learn_structure(example_batch)
+        batch = _abstract(example_batch)
+        padded = self.sharded_params
 
-    def state_shardings(self, state):
-        specs = self.state_specs(state)
+        def make(rng):
+            variables = dict(self.init_fn(rng, _zeros(batch)))
+            params = variables.pop("params")
+            self.shapes = layout.shapes_of(params)
+            return params, variables
+
+        shapes = jax.eval_shape(make, rng)
+        params_sh = self._leaf_shardings(shapes[0], padded)
+        params, model_state = jax.jit(
+            lambda r: (lambda p, v: (_pad_tree(p, self.shards) if padded else p, v))(*make(r)),
+            out_shardings=(params_sh, NamedSharding(self.mesh, P())))(rng)
+        # ZeRO-1/2 keep full params but give the optimizer padded chunks.
+        pad_for_opt = self.sharded_opt_state and not padded
+        opt_init = (lambda p: self.tx.init(_pad_tree(p, self.shards))) if pad_for_opt else self.tx.init
+        opt_state = jax.jit(opt_init, out_shardings=self._leaf_shardings(
+            jax.eval_shape(opt_init, params), self.sharded_opt_state))(params)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                           opt_state=opt_state, extra=self.init_extra(self.shapes))
+        if state.extra is not None:
+            state = state.replace(extra=jax.device_put(state.extra, self.state_shardings(state).extra))
+        return state
+
+    def _leaf_shardings(self, tree, sharded: bool):
         return jax.tree_util.tree_map(
-            lambda spec: NamedSharding(self.mesh, spec), _broadcast_prefix(specs, state),
-            is_leaf=lambda x: isinstance(x, P),
-        )
+            lambda s: NamedSharding(self.mesh, layout.spec(s.shape, self.shards, self.axis) if sharded else P()), tree)
 
-    def shard_batch(self, images: np.ndarray, labels: np.ndarray, mask: Optional[np.ndarray] = None):
-        out = [shard_batch(self.mesh, images, self.batch_axes), shard_batch(self.mesh, labels, self.batch_axes)]
-        if mask is not None:
-            out.append(shard_batch(self.mesh, mask, self.batch_axes))
-        return tuple(out)
-
-    # -- canonical form (checkpoints, parity) ---------------------------------------------------
+    # -- canonical form (parity, tests) ---------------------------------------------------------
     def canonical(self, state: TrainState) -> TrainState:
-        """The state in the plain DDP layout: full params and optimizer state.
+        """The state in the plain DDP layout: full params and optimizer state, replicated.
 
         A copy, as every strategy's: the next ``step`` donates (deletes) the state's arrays.
         """
-        return jax.tree_util.tree_map(jnp.copy, state)
+        self._need_shapes()
+        replicated = NamedSharding(self.mesh, P())
+        convert = self._unpadder()
+        return jax.jit(convert, out_shardings=jax.tree_util.tree_map(
+            lambda _: replicated, jax.eval_shape(convert, state)))(state)
 
     def from_canonical(self, state: TrainState) -> TrainState:
-        self.shapes = flat.shapes_of(state.params)
-        return self.place(state)
+        """DDP's layout (full tensors, e.g. from torch or a single device) -> this strategy's, on this mesh."""
+        self.shapes = layout.shapes_of(state.params)
+        if state.extra is None and self.init_extra(self.shapes) is not None:
+            state = state.replace(extra=self.init_extra(self.shapes))
+        state = jax.device_put(state, NamedSharding(self.mesh, P()))  # a plain transfer first
+        convert = self._padder()
+        return jax.jit(convert, out_shardings=self.state_shardings(jax.eval_shape(convert, state)))(state)
+
+    def init_state(self, variables) -> TrainState:
+        """A state from given full variables (``{"params": ..., "batch_stats": ...}``): tests and parity."""
+        variables = dict(variables)
+        params = variables.pop("params")
+        return self.from_canonical(TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                              model_state=variables, opt_state=self.tx.init(params)))
+
+    def _padder(self):
+        n = self.shards
+
+        def convert(s):
+            return _copy(s).replace(
+                params=_pad_tree(s.params, n) if self.sharded_params else _copy(s.params),
+                opt_state=_pad_tree(s.opt_state, n) if self.sharded_opt_state else _copy(s.opt_state))
+        return convert
+
+    def _unpadder(self):
+        full_opt = jax.tree_util.tree_leaves(jax.eval_shape(self.tx.init, self.shapes))
+
+        def convert(s):
+            opt, treedef = jax.tree_util.tree_flatten(s.opt_state)
+            return _copy(s).replace(
+                params=jax.tree_util.tree_map(lambda x, f: layout.unpad(x, f.shape), s.params, self.shapes),
+                opt_state=jax.tree_util.tree_unflatten(treedef, [layout.unpad(x, f.shape) for x, f in zip(opt, full_opt)]))
+        return convert
+
+    def _need_shapes(self):
+        if self.shapes is None:
+            raise StrategyError(f"{self.name}: build a state with init/init_state first (it fixes the params' shapes)")
 
     # -- the checkpoint layout -----------------------------------------------------------------
-    # Checkpoints hold every strategy's state in ZeRO-3's layout: params and per-parameter
-    # optimizer state flat, padded and sharded over the data axis (``flat.py``); step, BN
-    # buffers and ``extra`` as the strategy keeps them. So each device writes only its own
-    # chunks, and saving or restoring never puts more on a device than the strategy keeps
-    # there (a ZeRO-3 model that fits only sharded can be checkpointed). The same files
-    # restore onto any strategy and any device count: orbax pads or truncates each flat
-    # array to the new count's padding, and only padding (zeros) changes.
+    def stored_specs(self, stored: TrainState):
+        """Canonical shapes; params and optimizer tensors cut along a dimension the data axis
+        divides (replicated where none does), model state replicated, ``extra`` as kept."""
+        n, axis = self.shards, self.axis
+
+        def cut(x):
+            shape = np.shape(x)
+            return layout.spec(shape, n, axis) if any(s % n == 0 for s in shape) else P()
+        return stored.replace(step=P(), params=jax.tree_util.tree_map(cut, stored.params),
+                              model_state=jax.tree_util.tree_map(lambda _: P(), stored.model_state),
+                              opt_state=jax.tree_util.tree_map(cut, stored.opt_state),
+                              extra=self.extra_specs(stored.extra))
+
+    def stored_shardings(self, stored):
+        return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), self.stored_specs(stored),
+                                      is_leaf=lambda x: isinstance(x, P))
+
     def stored(self, state: TrainState) -> TrainState:
-        """This strategy's state -> the checkpoint layout (each strategy flattens what it keeps whole)."""
-        return flat.to_flat_state(state, self.tx, self.shards, self.stored_shardings,
-                                  params=not self.flat_params, opt_state=not self.flat_opt_state)
+        """This strategy's state -> the checkpoint layout: no device gathers anything whole."""
+        self._need_shapes()
+        convert = self._unpadder()
+        return jax.jit(convert, out_shardings=self.stored_shardings(jax.eval_shape(convert, state)))(state)
 
     def from_stored(self, stored: TrainState) -> TrainState:
-        """The checkpoint layout (padded for this device count) -> this strategy's state."""
-        if self.shapes is None:
-            raise StrategyError(f"{self.name}: build a state with init_state first (it fixes the params' shapes)")
-        return flat.from_flat_state(stored, self.tx, self.shapes, self.state_shardings,
-                                    params=not self.flat_params, opt_state=not self.flat_opt_state)
+        """The checkpoint layout -> this strategy's state."""
+        self._need_shapes()
+        convert = self._padder()
+        return jax.jit(convert, out_shardings=self.state_shardings(jax.eval_shape(convert, stored)))(stored)
 
     def stored_target(self, state: TrainState):
         """Shapes, dtypes and shardings of ``stored(state)``, computing nothing: what a restore fills."""
-        shapes = jax.eval_shape(self.stored, state)
+        shapes = jax.eval_shape(self._unpadder(), state)
         return jax.tree_util.tree_map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                       shapes, self.stored_shardings(shapes))
 
-    def stored_shardings(self, stored):
-        specs = _broadcast_prefix(self.state_specs(stored), stored)
-        chunks = P(self.axis)
-        specs = specs.replace(params=jax.tree_util.tree_map(lambda _: chunks, stored.params),
-                              opt_state=flat.opt_state_specs(stored.opt_state, chunks, P()))
-        return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), specs,
-                                      is_leaf=lambda x: isinstance(x, P))
+    def abstract_state(self, example_batch) -> TrainState:
+        """This strategy's state as shapes and shardings only: a restore target that builds nothing."""
+        self.learn_structure(example_batch)
+        batch = _abstract(example_batch)
+
+        def make(rng):
+            variables = dict(self.init_fn(rng, _zeros(batch)))
+            params = variables.pop("params")
+            return params, variables
+        params, model_state = jax.eval_shape(make, jax.random.key(0))
+        self.shapes = layout.shapes_of(params)
+        if self.sharded_params:
+            params = layout.padded_shapes(params, self.shards)
+        opt_src = layout.padded_shapes(params, self.shards) if self.sharded_opt_state else params
+        state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, model_state=model_state,
+                           opt_state=jax.eval_shape(self.tx.init, opt_src),
+                           extra=jax.eval_shape(lambda: self.init_extra(self.shapes)))
+        return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                      state, self.state_shardings(state))
+
+    # -- batches ---------------------------------------------------------------------------------
+    def shard_batch(self, batch):
+        """A host batch (this process's rows of a pytree) -> global arrays split over the batch axes."""
+        return jax.tree_util.tree_map(lambda x: shard_batch(self.mesh, np.asarray(x), self.batch_axes), batch)
+
+    def step_key(self, step):
+        """A key unique to the step and the device (``local_grads`` splits it per micro-batch)."""
+        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        return jax.random.fold_in(key, _device_index(self.batch_axes))
 
     # -- compiled entry points -----------------------------------------------------------------
-    def local_step(self, state: TrainState, images, labels):
+    def local_step(self, state: TrainState, batch):
         raise NotImplementedError
 
-    def eval_logits(self, state: TrainState, images):
-        """The model in eval mode (BN running stats) on this device's images (ZeRO-3 gathers per unit)."""
-        return _with_bn_axis(self.model, None).apply(
-            {"params": state.params, "batch_stats": state.batch_stats}, images, train=False)
+    def local_eval(self, state: TrainState, batch):
+        """Per-device sums of ``eval_fn`` over this device's batch (ZeRO-3 gathers per unit)."""
+        return self.eval_task.eval_fn(state.params, state.model_state, batch)
+
+    def _shard_mapped(self, fn, state, in_batch, out_specs, check_vma=True):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(self.state_specs(state), in_batch),
+                             out_specs=out_specs, check_vma=check_vma)
 
     def _step_fn(self, state: TrainState):
         """The jitted, shard_mapped step, built on first use (its specs need the state)."""
         if self._jit_step is None:
             specs = self.state_specs(state)
-            batch = P(self.batch_axes)
             self._jit_step = jax.jit(
-                jax.shard_map(self.local_step, mesh=self.mesh, in_specs=(specs, batch, batch),
-                              out_specs=(specs, P())),
-                donate_argnums=0,
-            )
+                self._shard_mapped(self.local_step, state, P(self.batch_axes), (specs, P()), self.check_vma),
+                donate_argnums=0)
         return self._jit_step
 
-    def step(self, state: TrainState, images, labels):
-        return self._step_fn(state)(state, images, labels)
+    check_vma = True
 
-    def lower_step(self, state: TrainState, images, labels):
+    def step(self, state: TrainState, batch):
+        self.learn_structure(batch)
+        return self._step_fn(state)(state, batch)
+
+    def lower_step(self, state: TrainState, batch):
         """The lowered training step, for HLO and memory inspection."""
-        return self._step_fn(state).lower(state, images, labels)
+        self.learn_structure(batch)
+        return self._step_fn(state).lower(state, batch)
 
-    def evaluate(self, state: TrainState, images, labels, mask):
-        """Summed loss, correct count and sample count over the global batch (mask drops padding)."""
+    def evaluate(self, state: TrainState, batch) -> Dict[str, Any]:
+        """``eval_fn``'s sums over the global batch."""
+        self.learn_structure(batch)
         if self._jit_eval is None:
-            batch = P(self.batch_axes)
-            self._jit_eval = jax.jit(jax.shard_map(
-                self._local_eval, mesh=self.mesh,
-                in_specs=(self.state_specs(state), batch, batch, batch), out_specs=P(),
-            ))
-        return self._jit_eval(state, images, labels, mask)
+            def summed(state, batch):
+                return jax.lax.psum(self.local_eval(state, batch), self.batch_axes)
+            self._jit_eval = jax.jit(self._shard_mapped(summed, state, P(self.batch_axes), P()))
+        return self._jit_eval(state, batch)
 
-    def _local_eval(self, state, images, labels, mask):
-        logits = self.eval_logits(state, images)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        weight = mask.astype(losses.dtype)
-        correct = (jnp.argmax(logits, -1) == labels).astype(losses.dtype)
-        return {
-            "loss_sum": jax.lax.psum((losses * weight).sum(), self.batch_axes),
-            "correct": jax.lax.psum((correct * weight).sum(), self.batch_axes),
-            "count": jax.lax.psum(weight.sum(), self.batch_axes),
-        }
+
+def _pad_tree(tree, n):
+    return jax.tree_util.tree_map(lambda x: layout.pad(x, n), tree)
+
+
+def _copy(tree):
+    # jit hands an unchanged input back as the same array, and the next step donates it.
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+def _zeros(shapes):
+    """Inputs for tracing ``model.init``: only their shapes matter, and zeros cost nothing under jit."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _abstract(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _device_index(axes):
+    """This device's linear index over ``axes`` (row-major, as the batch is split)."""
+    index = 0
+    for a in _as_tuple(axes):
+        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return index
 
 
 def _with_bn_axis(model, axis):
@@ -298,12 +420,3 @@ def _with_bn_axis(model, axis):
 def _as_tuple(axes):
     return axes if isinstance(axes, tuple) else (axes,)
 
-
-def _broadcast_prefix(prefix, tree):
-    """Expand a PartitionSpec prefix so it has one spec per leaf of ``tree``."""
-    if isinstance(prefix, P):
-        return jax.tree_util.tree_map(lambda _: prefix, tree)
-    return jax.tree_util.tree_map(
-        lambda spec, sub: _broadcast_prefix(spec, sub), prefix, tree,
-        is_leaf=lambda x: isinstance(x, P),
-    )

@@ -49,7 +49,9 @@ import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp.strategies.base import Strategy, StrategyError, local_grads, train_metrics
+from jaxdp.strategies import layout
+from jaxdp.strategies.base import _zeros, Strategy, StrategyError, local_grads, train_metrics
+from jaxdp.task import batch_size
 
 
 def gather_to_first(x, axis, n: int):
@@ -70,9 +72,10 @@ def broadcast_from_first(x, axis, n: int):
 
 class DataParallel(Strategy):
     name = "dp"
+    torch_twin = "DataParallel"
 
-    def __init__(self, model, tx, mesh, **kwargs):
-        super().__init__(model, tx, mesh, **kwargs)
+    def __init__(self, model, task, tx, mesh, **kwargs):
+        super().__init__(model, task, tx, mesh, **kwargs)
         if self.sync_bn:
             raise StrategyError("dp: nn.DataParallel has no SyncBatchNorm; use ddp --sync-bn")
         if jax.process_count() > 1:
@@ -84,7 +87,13 @@ class DataParallel(Strategy):
         self._pmap_eval = jax.pmap(self._device_eval, axis_name=self.axis, devices=self.devices)
 
     # -- placement: every leaf gets a leading device axis (pmap's layout) ---------------------
-    def place(self, state):
+    def init(self, rng, example_batch):
+        self.learn_structure(example_batch)
+        batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example_batch)
+        return self.init_state(jax.jit(lambda r: self.init_fn(r, _zeros(batch)))(rng))
+
+    def from_canonical(self, state):
+        self.shapes = layout.shapes_of(state.params)
         n = self.num_devices
         return jax.tree_util.tree_map(
             lambda x: jax.device_put(np.broadcast_to(np.asarray(x)[None], (n,) + np.shape(x)), self._sharding),
@@ -99,23 +108,25 @@ class DataParallel(Strategy):
         return super().stored(jax.device_put(self.canonical(state), NamedSharding(self.mesh, P())))
 
     def from_stored(self, stored):
-        return self.place(super().from_stored(stored))
+        return self.from_canonical(jax.device_get(stored))
 
-    def shard_batch(self, images, labels, mask=None):
+    def shard_batch(self, batch):
         n = self.num_devices
-        if images.shape[0] % n:
-            raise StrategyError(f"dp: batch {images.shape[0]} does not split into {n} equal chunks")
-        arrays = [images, labels] + ([mask] if mask is not None else [])
-        return tuple(jax.device_put(a.reshape(n, a.shape[0] // n, *a.shape[1:]), self._sharding)
-                     for a in arrays)
+
+        def split(a):
+            a = np.asarray(a)
+            if a.shape[0] % n:
+                raise StrategyError(f"dp: batch {a.shape[0]} does not split into {n} equal chunks")
+            return jax.device_put(a.reshape(n, a.shape[0] // n, *a.shape[1:]), self._sharding)
+        return jax.tree_util.tree_map(split, batch)
 
     # -- the step -------------------------------------------------------------------------------
-    def _device_step(self, state, images, labels):
+    def _device_step(self, state, batch):
         n, axis = self.num_devices, self.axis
-        loss, grads, batch_stats, correct = local_grads(
-            self.model, state.params, state.batch_stats, images, labels, self.accum_steps)
+        loss, grads, model_state, metrics = local_grads(
+            self.task.loss_fn, state.params, state.model_state, batch, self.step_key(state.step), self.accum_steps)
         # Full-batch mean loss: this chunk's share of the gradient is (b/B) * grad(chunk mean).
-        b = images.shape[0]
+        b = batch_size(batch)
         flat, unravel = ravel_pytree(grads)
         parts = gather_to_first(flat * (b / (b * n)), axis, n)
 
@@ -131,26 +142,27 @@ class DataParallel(Strategy):
 
         is_first = jax.lax.axis_index(axis) == 0
         params, opt_state, total = jax.lax.cond(is_first, update, idle, state.params, state.opt_state)
-        # Replicate params and BN buffers from device 0 (its BN stats are chunk 0's).
-        flat_state, unravel_state = ravel_pytree((params, batch_stats))
-        params, batch_stats = unravel_state(broadcast_from_first(flat_state, axis, n))
-        new_state = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
+        # Replicate params and the model state from device 0 (its BN stats are chunk 0's).
+        flat_state, unravel_state = ravel_pytree((params, model_state))
+        params, model_state = unravel_state(broadcast_from_first(flat_state, axis, n))
+        new_state = state.replace(step=state.step + 1, params=params, model_state=model_state,
                                   opt_state=opt_state)
-        metrics = train_metrics(loss, correct, b, axis)
+        out = train_metrics(loss, metrics, axis)
         if self.return_grads:  # parity checks only: device 0's summed gradient
-            metrics["grads"] = unravel(broadcast_from_first(total, axis, n))
-        return new_state, metrics
+            out["grads"] = unravel(broadcast_from_first(total, axis, n))
+        return new_state, out
 
-    def step(self, state, images, labels):
-        state, metrics = self._pmap_step(state, images, labels)
+    def step(self, state, batch):
+        self.learn_structure(jax.tree_util.tree_map(lambda x: x[0], batch))
+        state, metrics = self._pmap_step(state, batch)
         return state, jax.tree_util.tree_map(lambda x: x[0], metrics)
 
-    def lower_step(self, state, images, labels):
-        return self._pmap_step.lower(state, images, labels)
+    def lower_step(self, state, batch):
+        return self._pmap_step.lower(state, batch)
 
     # -- evaluation -----------------------------------------------------------------------------
-    def _device_eval(self, state, images, labels, mask):
-        return self._local_eval(state, images, labels, mask)
+    def _device_eval(self, state, batch):
+        return jax.lax.psum(self.local_eval(state, batch), self.axis)
 
-    def evaluate(self, state, images, labels, mask):
-        return jax.tree_util.tree_map(lambda x: x[0], self._pmap_eval(state, images, labels, mask))
+    def evaluate(self, state, batch):
+        return jax.tree_util.tree_map(lambda x: x[0], self._pmap_eval(state, batch))

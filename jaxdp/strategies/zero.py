@@ -1,0 +1,210 @@
+"""ZeRO stages 1, 2 and 3 and HSDP: DDP with the model state sharded over the data axis.
+
+One module, parameterised by the stage and the mesh. Against ``ddp.py``, per device:
+
+- **stage 1** (torch ``ZeroRedundancyOptimizer``): forward/backward and the bucketed
+  all-reduce as DDP (its compression hooks too); **new**: each device takes its chunk
+  (``layout.py``) of every gradient and parameter and runs the optimizer on that chunk
+  with its 1/N of the optimizer state; **new**: the updated chunks are all-gathered,
+  bucket by bucket, into the full replicated params.
+- **stage 2**: one line moves: the bucketed all-reduce becomes a bucketed
+  reduce-scatter ``psum_scatter(g / N)``: each device receives only the averaged chunk
+  it updates (torch FSDP with ``reshard_after_forward=False``).
+- **stage 3** (FSDP): the params are chunks at rest too. The forward runs the user's loss
+  function with every FSDP unit's params gathered just before the unit runs, and
+  gathered again in backward (``units.py``); the root unit (params outside every unit)
+  is gathered once per step. **Gone**: the explicit reduce-scatter (the transpose of the
+  forward's all-gather is ``psum_scatter``: only divide by N) and the final all-gather
+  (each device updates its chunk, and the chunks are the params).
+- **HSDP** = stage 3 on an (R, S) mesh ("replica", "data"): sharded within each group of
+  S devices, and the reduce-scattered chunks all-reduced across the R replicas,
+  ``psum(g / N, "replica")`` with N = R·S. The params are cast to per-device along
+  "replica" (the check_vma trap). The batch is split over both axes, device (r, s)
+  taking slice r·S + s, so batches and BN buffers (global device 0's) follow DDP.
+
+Model state per device (f32, K optimizer bytes per param): stage 1: 4Ψ + 4Ψ + KΨ/N;
+stage 2: 4Ψ + 4Ψ/N + KΨ/N; stage 3: (8 + K)Ψ/N; HSDP: (8 + K)Ψ/S.
+Traffic per device in ring terms: stage 1: 3Ψ(N-1)/N (all-reduce + all-gather, as torch's
+ZeroRedundancyOptimizer); stage 2: 2Ψ(N-1)/N; stage 3: 3Ψ(N-1)/N (gather, re-gather,
+reduce-scatter: 1.5x DDP); HSDP: 3Ψ(S-1)/S + 2(Ψ/S)(R-1)/R.
+
+Accumulation (``accum_steps`` K): stages 1 and 2 sum the local gradients over the K
+micro-batches and communicate once, as DDP's ``no_sync``. Stage 3 gathers, re-gathers and
+reduce-scatters every micro-batch and sums the chunks (torch FSDP without ``no_sync``):
+one reduction per K micro-batches would need the full local gradient to accumulate
+into, exactly the 4Ψ per device ZeRO-3 exists to remove. The sum is linear, so the
+result is DDP's. Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s);
+a global-norm clip would see only a chunk.
+"""
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
+from jaxdp.strategies import layout
+from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
+from jaxdp.strategies.sync import AllReduce, SyncError
+from jaxdp.strategies.units import Units, fsdp_unit, gather_on_use, in_unit, unit_paths
+
+TWINS = {1: "ZeroRedundancyOptimizer", 2: "fully_shard(reshard_after_forward=False)", 3: "fully_shard"}
+
+
+class ZeRO(Strategy):
+    def __init__(self, model, task, tx, mesh, *, stage: int = 3, units=(), mesh_shape=None, bucket_cap_mb=None,
+                 allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
+                 hsdp: bool = False, **kwargs):
+        if stage not in (1, 2, 3):
+            raise StrategyError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        if hsdp and stage != 3:
+            raise StrategyError("hsdp is ZeRO stage 3 on a 2-D mesh")
+        if (allreduce != "psum" or compress) and stage != 1:
+            raise StrategyError(f"allreduce/compress are all-reduce hooks: zero{stage} reduce-scatters "
+                                "instead (use ddp or zero1)")
+        if units and stage != 3:
+            raise StrategyError(f"units are ZeRO-3's gather-on-use units; zero{stage} keeps params whole")
+        self.stage, self.hsdp = stage, hsdp
+        self.name = "hsdp" if hsdp else f"zero{stage}"
+        self.torch_twin = "fully_shard(mesh=2-D)" if hsdp else TWINS[stage]
+        self.sharded_params = stage == 3
+        self.sharded_opt_state = True
+        if hsdp:
+            self.batch_axes = (REPLICA_AXIS, DATA_AXIS)
+            mesh = hsdp_mesh(mesh, mesh_shape)
+        elif mesh_shape is not None:
+            raise StrategyError("mesh_shape is hsdp's (replicas, shards)")
+        super().__init__(model, task, tx, mesh, **kwargs)
+        try:
+            self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
+                                  powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
+        except SyncError as e:
+            raise StrategyError(str(e)) from None
+        self.check_vma = allreduce != "ring"
+        self.units = Units(units)
+        self.unit_paths = None
+
+    def init_extra(self, params):
+        return self.sync.init(params, self.num_devices)
+
+    def extra_specs(self, extra):
+        return self.sync.specs(self.axis) if self.sync.stateful else super().extra_specs(extra)
+
+    def _learn_units(self, init, batch):
+        self.unit_paths = []
+        if not self.units:
+            return super()._learn_units(init, batch)
+        self.unit_paths = unit_paths(self.units, init, batch)  # traces init once: the order too
+
+    # -- per device -----------------------------------------------------------------------------
+    def local_step(self, state, batch):
+        key, n = self.step_key(state.step), self.num_devices
+        if self.stage == 3:
+            params = state.params  # chunks: already per-device along "data"
+            if self.hsdp:  # new: each replica's own grads
+                params = jax.lax.pcast(params, REPLICA_AXIS, to="varying")
+            loss, grads, model_state, metrics = local_grads(
+                self.gathering_loss(self.task.loss_fn), params, state.model_state, batch, key, self.accum_steps)
+            # Reduce-scattered (summed) by the gathers' transposes already: only divide.
+            grads = jax.tree_util.tree_map(lambda g: g / n, grads)
+            if self.hsdp:
+                grads = jax.lax.psum(grads, REPLICA_AXIS)
+            extra = state.extra
+        else:
+            params = jax.lax.pcast(state.params, self.axis, to="varying")
+            loss, grads, model_state, metrics = local_grads(
+                self.task.loss_fn, params, state.model_state, batch, key, self.accum_steps)
+            if self.stage == 1:  # DDP's all-reduce, then keep my chunk
+                grads, extra = self.sync(grads, state.extra, state.step, self.axis, n, self.param_order)
+                grads = self.my_chunks(grads)
+            else:  # stage 2: reduce-scatter instead
+                grads, extra = self.reduce_scatter(grads), state.extra
+        my_params = state.params if self.stage == 3 else self.my_chunks(state.params)
+        updates, opt_state = self.tx.update(grads, state.opt_state, my_params)
+        new_params = optax.apply_updates(my_params, updates)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=new_params if self.stage == 3 else self.gather(new_params),
+            model_state=ddp_buffers(model_state, self.batch_axes, self.sync_bn),
+            opt_state=opt_state,
+            extra=extra,
+        )
+        full_grads = self.gather(grads, per_tensor=self.stage == 3) if self.return_grads else None
+        return new_state, train_metrics(loss, metrics, self.batch_axes, full_grads)
+
+    def local_eval(self, state, batch):
+        # As in training, one unit's params at a time: evaluation must fit where training does.
+        eval_fn = self.eval_task.eval_fn
+        return self.gathering_loss(lambda p, ms, b, _: eval_fn(p, ms, b))(state.params, state.model_state, batch,
+                                                                          None) \
+            if self.stage == 3 else eval_fn(state.params, state.model_state, batch)
+
+    # -- collectives ------------------------------------------------------------------------------
+    def gathering_loss(self, loss_fn):
+        """``loss_fn`` on param chunks: the root unit gathered up front, every unit on use (``units.py``)."""
+        axis, n, shapes = self.axis, self.shards, self.shapes
+
+        def gather_tree(chunks, full):
+            return jax.tree_util.tree_map(lambda c, s: layout.gather(c, s.shape, axis, n), chunks, full)
+
+        def gather_unit(module, call, variables, mutable, args, kwargs):
+            full = shapes
+            for k in module.path:
+                full = full[k]
+            state = {c: v for c, v in variables.items() if c != "params"}
+            return fsdp_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args, kwargs, mutable)
+
+        def run(chunks, model_state, batch, key):
+            def root_gather(path, c, s):
+                return c if in_unit(leaf_path(path), self.unit_paths) else layout.gather(c, s.shape, axis, n)
+            params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes)
+            with gather_on_use(self.units, gather_unit):
+                return loss_fn(params, model_state, batch, key)
+        return run
+
+    def my_chunks(self, tree):
+        """This device's chunk of every tensor of a tree all devices hold whole."""
+        return jax.tree_util.tree_map(lambda x: layout.my_chunk(x, self.axis, self.shards), tree)
+
+    def gather(self, chunks, per_tensor: bool = False):
+        """Full tensors from every device's chunks: one all-gather per DDP-sized bucket (or per tensor)."""
+        shapes = [s.shape for s in jax.tree_util.tree_leaves(self.shapes)]
+        groups = [[i] for i in range(len(shapes))] if per_tensor else self.bucket_groups()
+        leaves, treedef = jax.tree_util.tree_flatten(chunks)
+        out = [None] * len(leaves)
+        for group in groups:
+            gathered = layout.gather_group([leaves[i] for i in group], [shapes[i] for i in group], self.axis,
+                                           self.shards)
+            for i, y in zip(group, gathered):
+                out[i] = y
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def reduce_scatter(self, grads):
+        """Each device's chunk of the averaged gradient ``psum_scatter(g / N)``, one collective per DDP bucket."""
+        scaled = jax.tree_util.tree_map(lambda g: g / self.num_devices, grads)
+        return layout.map_groups(lambda gs: layout.scatter_group(gs, self.axis, self.shards), scaled,
+                                 self.bucket_groups())
+
+    def bucket_groups(self):
+        """DDP's buckets (reverse definition order, torch's sizes) as groups of leaf indices."""
+        paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.shapes)]
+        leaves = jax.tree_util.tree_leaves(self.shapes)
+        index = {p: i for i, p in enumerate(paths)}
+        ids = [index[p] for p in reduction_order(self.shapes, self.param_order)]
+        sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in ids]
+        return [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, self.sync.limits)]
+
+
+def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
+    """The (replicas, shards) mesh over ``mesh``'s devices, in their order."""
+    if mesh_shape is None and tuple(mesh.axis_names) == (REPLICA_AXIS, DATA_AXIS):
+        return mesh
+    devices = np.asarray(mesh.devices).reshape(-1)
+    n = devices.size
+    if mesh_shape is None:
+        mesh_shape = (2, n // 2) if n % 2 == 0 else (1, n)
+    mesh_shape = tuple(int(d) for d in mesh_shape)
+    if len(mesh_shape) != 2 or min(mesh_shape) < 1 or mesh_shape[0] * mesh_shape[1] != n:
+        raise StrategyError(f"hsdp mesh_shape {mesh_shape} must be two positive sizes R,S with R*S = {n} devices")
+    return Mesh(devices.reshape(mesh_shape), (REPLICA_AXIS, DATA_AXIS))

@@ -1,0 +1,88 @@
+"""The contract between a model and a strategy: a loss function and an evaluation function.
+
+A strategy trains any
+
+    loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))
+
+- ``batch``: any pytree whose leaves share a leading batch dimension (split over the data axes);
+- ``model_state``: the model's mutable collections, e.g. ``{"batch_stats": ...}``, or ``{}``;
+- ``metrics``: the user's own scalars, averaged over the data axes by the strategy;
+- ``rng``: a key unique to the step, the device and the micro-batch (for dropout).
+
+and evaluates with any ``eval_fn(params, model_state, batch) -> {name: per-device sum}``,
+which the strategy sums over the data axes.
+
+``classifier(model)`` builds both for a Flax image classifier called as
+``model(images, train=...)`` with batches ``{"image", "label"}`` (and ``"mask"`` for
+evaluation, 0 on padding): torch's ``cross_entropy(reduction="mean")`` and accuracy.
+"""
+
+from typing import Any, Callable, Dict
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def cross_entropy(logits, labels):
+    """Mean cross-entropy, as torch.nn.functional.cross_entropy(reduction='mean')."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class Classifier:
+    """``loss_fn``/``eval_fn`` for a Flax classifier; ``with_model`` rebinds them (SyncBN swaps in a
+    model whose BatchNorm reduces over the data axes)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def with_model(self, model) -> "Classifier":
+        return Classifier(model)
+
+    @staticmethod
+    def model_inputs(batch):
+        return (batch["image"],)
+
+    init_kwargs = {"train": False}
+
+    def loss_fn(self, params, model_state, batch, rng=None):
+        mutable = list(model_state)
+        out = self.model.apply({"params": params, **model_state}, batch["image"], train=True,
+                               mutable=mutable or False)
+        logits, new_state = out if mutable else (out, {})
+        loss = cross_entropy(logits, batch["label"])
+        accuracy = (jnp.argmax(logits, -1) == batch["label"]).mean(dtype=logits.dtype)
+        return loss, (dict(new_state), {"accuracy": accuracy})
+
+    def eval_fn(self, params, model_state, batch) -> Dict[str, Any]:
+        logits = self.model.apply({"params": params, **model_state}, batch["image"], train=False)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        weight = batch["mask"].astype(losses.dtype) if "mask" in batch else jnp.ones_like(losses)
+        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(losses.dtype)
+        return {"loss_sum": (losses * weight).sum(), "correct": (correct * weight).sum(), "count": weight.sum()}
+
+
+def classifier(model) -> Classifier:
+    return Classifier(model)
+
+
+def as_task(loss_fn: Callable, eval_fn=None, model_inputs=None, init_kwargs=None):
+    """Wrap a user's plain functions in the same shape as ``Classifier``."""
+    return _Task(loss_fn, eval_fn, model_inputs or (lambda batch: (batch,)), dict(init_kwargs or {}))
+
+
+class _Task:
+    def __init__(self, loss_fn, eval_fn, model_inputs, init_kwargs):
+        self.loss_fn, self.eval_fn, self.model_inputs, self.init_kwargs = loss_fn, eval_fn, model_inputs, init_kwargs
+
+    def with_model(self, model):
+        raise ValueError("sync_bn needs a task that can rebind its model (jaxdp.classifier); "
+                         "with your own loss_fn, give your BatchNorm an axis_name instead")
+
+
+def batch_size(batch) -> int:
+    """The leading dimension every leaf of ``batch`` shares; ValueError if they differ."""
+    sizes = {x.shape[0] if jnp.ndim(x) else None for x in jax.tree_util.tree_leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"every leaf of a batch needs the same leading batch dimension, got {sorted(map(str, sizes))}")
+    return sizes.pop()

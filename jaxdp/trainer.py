@@ -1,0 +1,99 @@
+"""The public API: any Flax model, any loss, any strategy.
+
+    mesh = jaxdp.make_mesh(data=4)
+    trainer = jaxdp.Trainer(model, loss_fn, optax.adamw(3e-4), jaxdp.ZeRO(stage=3, units=(Block,)), mesh)
+    state = trainer.init(jax.random.key(0), example_batch)
+    state, metrics = trainer.step(state, batch)
+
+``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
+``jaxdp.task``), or ``jaxdp.classifier(model)`` for an image classifier. Batches are any
+pytree of host arrays with a shared leading batch dimension: the global batch, or in a
+multi-process job this process's rows of it. A strategy is named with the factories below
+(``DDP()``, ``ZeRO(stage=3)``, ...) or by its registry name (``"zero3"``).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import jax
+
+from jaxdp import task as tasks
+from jaxdp.strategies import REGISTRY, StrategyError, create_strategy
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy's name and options, before it meets a model, an optimizer and a mesh."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+
+
+def DDP(**options) -> StrategySpec:  # noqa: N802 - reads as the strategy's name
+    return StrategySpec("ddp", options)
+
+
+def ZeRO(stage: int = 3, **options) -> StrategySpec:  # noqa: N802
+    return StrategySpec(f"zero{stage}" if stage in (1, 2, 3) else str(stage), options)
+
+
+def HSDP(**options) -> StrategySpec:  # noqa: N802
+    return StrategySpec("hsdp", options)
+
+
+def DataParallel(**options) -> StrategySpec:  # noqa: N802
+    return StrategySpec("dp", options)
+
+
+def AsyncPS(staleness: int = 0, **options) -> StrategySpec:  # noqa: N802
+    return StrategySpec("async", {"staleness": staleness, **options})
+
+
+class Trainer:
+    def __init__(self, model, loss_fn, tx, strategy: Any = "ddp", mesh=None, *, eval_fn: Optional[Callable] = None,
+                 model_inputs: Optional[Callable] = None, init_kwargs: Optional[dict] = None):
+        from jaxdp.mesh import make_mesh
+
+        if isinstance(loss_fn, tasks.Classifier):
+            task = loss_fn
+        elif callable(loss_fn):
+            task = tasks.as_task(loss_fn, eval_fn, model_inputs, init_kwargs)
+        else:
+            raise TypeError(f"loss_fn must be callable (or jaxdp.classifier(model)), got {type(loss_fn).__name__}")
+        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))
+        if spec.name not in REGISTRY:
+            raise StrategyError(f"unknown strategy {spec.name!r}; choose one of {', '.join(REGISTRY)}")
+        self.strategy = create_strategy(spec.name, model, task, tx, mesh if mesh is not None else make_mesh(),
+                                        **spec.options)
+        self.mesh = self.strategy.mesh
+
+    def init(self, rng, example_batch):
+        """A fresh, already sharded state (nothing whole is built for ZeRO)."""
+        return self.strategy.init(rng, example_batch)
+
+    def step(self, state, batch):
+        """One optimizer update on a global batch; returns (state, metrics). The state is donated."""
+        return self.strategy.step(state, self._placed(batch))
+
+    def evaluate(self, state, batch):
+        """``eval_fn``'s sums over the global batch (a ``{"mask"}`` leaf drops padding rows for classifiers)."""
+        if getattr(self.strategy.eval_task, "eval_fn", None) is None:
+            raise ValueError("this Trainer has no eval_fn: pass eval_fn=... to evaluate")
+        return self.strategy.evaluate(state, self._placed(batch))
+
+    def canonical(self, state):
+        """The full params and optimizer state (DDP's layout), e.g. to export or compare."""
+        return self.strategy.canonical(state)
+
+    def _placed(self, batch):
+        from jax.sharding import NamedSharding
+
+        leaves = jax.tree_util.tree_leaves(batch)
+        if leaves and all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh
+                          for x in leaves):
+            return batch  # already on the mesh
+        return self.strategy.shard_batch(batch)
+
+
+def classifier(model):
+    return tasks.classifier(model)
