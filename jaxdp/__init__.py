@@ -10,17 +10,16 @@ optimizers know nothing about which strategy runs.
 
 __version__ = "0.2.0"
 
+# Lazy: `import jaxdp` must not import jax (the CLI sets XLA_FLAGS first).
+_EXPORTS = {"Trainer": "trainer", "StrategySpec": "trainer", "DDP": "trainer", "ZeRO": "trainer", "HSDP": "trainer",
+            "DataParallel": "trainer", "AsyncPS": "trainer", "classifier": "task", "make_mesh": "mesh"}
+
 
 def __getattr__(name):
-    # Lazy: `import jaxdp` must not import jax (the CLI sets XLA_FLAGS first).
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
     import importlib
 
-    mesh, task, trainer = (importlib.import_module(f"jaxdp.{m}") for m in ("mesh", "task", "trainer"))
-
-    exports = {"Trainer": trainer.Trainer, "StrategySpec": trainer.StrategySpec, "DDP": trainer.DDP,
-               "ZeRO": trainer.ZeRO, "HSDP": trainer.HSDP, "DataParallel": trainer.DataParallel,
-               "AsyncPS": trainer.AsyncPS, "classifier": task.classifier, "make_mesh": mesh.make_mesh}
-    if name in exports:
-        globals()[name] = exports[name]
-        return exports[name]
-    raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"jaxdp.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

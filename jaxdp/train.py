@@ -48,9 +48,11 @@ def _setup(cfg: TrainConfig):
     import jax
 
     from jaxdp.data import load_dataset
-    from jaxdp.models import create_model
+    from jaxdp.models import create_model, fsdp_units
     from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
     from jaxdp.strategies import STRATEGIES, create_strategy
+    from jaxdp.strategies import options_of as options_of_strategy
+    from jaxdp.task import classifier
 
     join_job(cfg)  # before anything asks jax for its devices
     if cfg.dtype == "float64":
@@ -69,8 +71,10 @@ def _setup(cfg: TrainConfig):
     schedule = make_schedule(cfg.schedule, cfg.lr, steps * cfg.epochs, **cfg.schedule_options(steps))
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
-    strategy = create_strategy(cfg.strategy, model, tx, mesh, accum_steps=cfg.accum_steps,
-                               sync_bn=cfg.sync_bn, **options)
+    if "units" in options_of_strategy(cfg.strategy):
+        options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
+    strategy = create_strategy(cfg.strategy, model, classifier(model), tx, mesh, accum_steps=cfg.accum_steps,
+                               sync_bn=cfg.sync_bn, seed=cfg.seed, **options)
     return strategy, schedule, train_set, test_set, per_device, steps
 
 
@@ -153,13 +157,11 @@ def join_job(cfg: TrainConfig) -> None:
 
 def strategy_options(cfg: TrainConfig) -> dict:
     """The options ``cfg.strategy`` takes; a changed option it does not take is an error."""
-    import inspect
-
-    from jaxdp.strategies import REGISTRY, StrategyError
+    from jaxdp.strategies import REGISTRY, StrategyError, options_of
 
     if cfg.strategy not in REGISTRY:
         return {}  # create_strategy names the valid choices
-    accepted = inspect.signature(REGISTRY[cfg.strategy].__init__).parameters
+    accepted = options_of(cfg.strategy)
     defaults = TrainConfig()
     options = {}
     for name in TrainConfig.STRATEGY_OPTIONS:
@@ -172,6 +174,11 @@ def strategy_options(cfg: TrainConfig) -> dict:
             flag = "--" + name.replace("_", "-")
             raise StrategyError(f"{flag} does not apply to strategy {cfg.strategy!r}")
     return options
+
+
+def example_batch(model, image_shape=IMAGE_SHAPE) -> dict:
+    """A batch of shapes only, for ``Strategy.init``/``abstract_state`` (params do not depend on the values)."""
+    return {"image": np.zeros((1, *image_shape), np.dtype(model.dtype)), "label": np.zeros((1,), np.int32)}
 
 
 def init_variables(model, seed: int, image_shape=IMAGE_SHAPE):
@@ -289,10 +296,8 @@ def evaluate(strategy, state, test_set, per_device: int, ranks=None) -> dict:
     totals = np.zeros(3)
     for batch in eval_batches(test_set, num_replicas=strategy.num_devices, batch_per_replica=per_device,
                               ranks=ranks):
-        images, labels, mask = strategy.shard_batch(
-            _flat(batch.images), _flat(batch.labels), _flat(batch.mask)
-        )
-        out = strategy.evaluate(state, images, labels, mask)
+        out = strategy.evaluate(state, strategy.shard_batch(
+            {"image": _flat(batch.images), "label": _flat(batch.labels), "mask": _flat(batch.mask)}))
         totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"])]
     return {"loss": totals[0] / totals[2], "accuracy": totals[1] / totals[2], "count": int(totals[2])}
 
@@ -336,9 +341,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     if earlier_run and is_main:  # --overwrite, and the new run is valid: only now delete the old one
         remove_run_files(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
-    variables = init_variables(strategy.model, cfg.seed)
-    barrier("init")  # the processes finish compiling the init at different times (see mesh.barrier)
-    state = strategy.init_state(variables)
+    example = example_batch(strategy.model)
     ckpt = Checkpointer(os.path.join(cfg.out, "checkpoints"))
     fingerprint = cfg.fingerprint()
 
@@ -353,11 +356,16 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
 
     start_epoch, start_step, global_step = 0, 0, 0
     if cfg.resume and ckpt.latest_step() is not None:
+        # Into shapes and shardings only: a ZeRO-3 restore builds no full (or even fresh) state.
         stored, meta, _ = ckpt.restore_latest(
-            strategy.stored_target(state),
+            strategy.stored_target(strategy.abstract_state(example)),
             check_meta=lambda m: _check_fingerprint(m["fingerprint"], fingerprint, ckpt.directory))
         state = strategy.from_stored(stored)
         start_epoch, start_step, global_step = _resume_position(meta, data_position, steps_per_epoch, is_main)
+    else:
+        # Each device creates only its own shards (see Strategy.init).
+        state = strategy.init(jax.random.key(cfg.seed), example)
+    barrier("init")  # the processes finish compiling the init at different times (see mesh.barrier)
     start_global_step = global_step
     if is_main:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -377,7 +385,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
         saved = (global_step, position)
 
     def shard(batch):
-        return (*strategy.shard_batch(_flat(batch.images), _flat(batch.labels)), batch.indices)
+        return strategy.shard_batch({"image": _flat(batch.images), "label": _flat(batch.labels)}), batch.indices
 
     summary = {"steps": 0, "eval": None, "interrupted": False, "process_index": jax.process_index()}
     # A job checkpoints only all together, and its processes may stand at different steps.
@@ -396,11 +404,11 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
                 bar = tqdm(total=steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                            disable=not (cfg.progress and is_main), unit="step", dynamic_ncols=True)
                 records = _PendingRecords(log, bar, cfg.global_batch_size)
-                for step_in_epoch, (images, labels, ids) in enumerate(batches, start=first):
+                for step_in_epoch, (batch, ids) in enumerate(batches, start=first):
                     if global_step == start_global_step and jax.process_count() > 1:
-                        strategy.lower_step(state, images, labels).compile()  # jit reuses it
+                        strategy.lower_step(state, batch).compile()  # jit reuses it
                         barrier("step compiled")
-                    state, metrics = strategy.step(state, images, labels)
+                    state, metrics = strategy.step(state, batch)
                     # Bookkeeping at once, so that from here on the state in hand and its step number
                     # agree wherever an exception lands (the loop spends its time in records.write).
                     global_step += 1
