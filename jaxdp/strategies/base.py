@@ -123,6 +123,7 @@ class Strategy:
     batch_axes: Any = DATA_AXIS  # mesh axes the batch is split over
     sharded_params = False  # ZeRO-3: params live as chunks (layout.py)
     sharded_opt_state = False  # ZeRO-1/2/3: per-parameter optimizer tensors live as chunks
+    sync = None  # the gradient all-reduce (sync.AllReduce) of strategies that have one: it owns ``extra``
 
     def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
                  axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0):
@@ -197,31 +198,37 @@ class Strategy:
         with this strategy's output shardings, so a ZeRO-3 model that fits only sharded can
         start: no device (and not the host) ever holds what the strategy does not keep.
         """
+        init_params, init_opt = self.init_programs(example_batch)
+        params, model_state = init_params(rng)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                           opt_state=init_opt(params), extra=self.init_extra(self.shapes))
+        if state.extra is not None:
+            state = state.replace(extra=jax.device_put(state.extra, self.state_shardings(state).extra))
+        return state
+
+    def init_programs(self, example_batch):
+        """The two jitted programs ``init`` runs: ``rng -> (params, model_state)`` and
+        ``params -> opt_state``, each with this strategy's output shardings (the memory test
+        reads their compiled sizes)."""
         self.learn_structure(example_batch)
         batch = _abstract(example_batch)
-        padded = self.sharded_params
+        padded, n = self.sharded_params, self.shards
 
         def make(rng):
             variables = dict(self.init_fn(rng, _zeros(batch)))
             params = variables.pop("params")
             self.shapes = layout.shapes_of(params)
-            return params, variables
+            return (_pad_tree(params, n) if padded else params), variables
 
-        shapes = jax.eval_shape(make, rng)
-        params_sh = self._leaf_shardings(shapes[0], padded)
-        params, model_state = jax.jit(
-            lambda r: (lambda p, v: (_pad_tree(p, self.shards) if padded else p, v))(*make(r)),
-            out_shardings=(params_sh, NamedSharding(self.mesh, P())))(rng)
+        shapes = jax.eval_shape(make, jax.random.key(0))
+        init_params = jax.jit(make, out_shardings=(self._leaf_shardings(shapes[0], padded),
+                                                   NamedSharding(self.mesh, P())))
         # ZeRO-1/2 keep full params but give the optimizer padded chunks.
         pad_for_opt = self.sharded_opt_state and not padded
-        opt_init = (lambda p: self.tx.init(_pad_tree(p, self.shards))) if pad_for_opt else self.tx.init
-        opt_state = jax.jit(opt_init, out_shardings=self._leaf_shardings(
-            jax.eval_shape(opt_init, params), self.sharded_opt_state))(params)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                           opt_state=opt_state, extra=self.init_extra(self.shapes))
-        if state.extra is not None:
-            state = state.replace(extra=jax.device_put(state.extra, self.state_shardings(state).extra))
-        return state
+        opt_init = (lambda p: self.tx.init(_pad_tree(p, n))) if pad_for_opt else self.tx.init
+        init_opt = jax.jit(opt_init, out_shardings=self._leaf_shardings(
+            jax.eval_shape(opt_init, shapes[0]), self.sharded_opt_state))
+        return init_params, init_opt
 
     def _leaf_shardings(self, tree, sharded: bool):
         return jax.tree_util.tree_map(
@@ -280,8 +287,8 @@ class Strategy:
 
     # -- the checkpoint layout -----------------------------------------------------------------
     def stored_specs(self, stored: TrainState):
-        """Canonical shapes; params and optimizer tensors cut along a dimension the data axis
-        divides (replicated where none does), model state replicated, ``extra`` as kept."""
+        """Canonical shapes; params, optimizer tensors and ``extra`` (in its stored form) cut along
+        a dimension the data axis divides (replicated where none does), model state replicated."""
         n, axis = self.shards, self.axis
 
         def cut(x):
@@ -290,27 +297,42 @@ class Strategy:
         return stored.replace(step=P(), params=jax.tree_util.tree_map(cut, stored.params),
                               model_state=jax.tree_util.tree_map(lambda _: P(), stored.model_state),
                               opt_state=jax.tree_util.tree_map(cut, stored.opt_state),
-                              extra=self.extra_specs(stored.extra))
+                              extra=jax.tree_util.tree_map(cut, stored.extra))
 
     def stored_shardings(self, stored):
         return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), self.stored_specs(stored),
                                       is_leaf=lambda x: isinstance(x, P))
 
+    def _storer(self):
+        """State -> stored values: canonical tensors, and ``extra`` in a form that does not depend
+        on the device count (PowerSGD's mean error: ``compression.PowerSGD.stored``)."""
+        unpad = self._unpadder()
+
+        def convert(s):
+            s = unpad(s)
+            return s.replace(extra=self.sync.stored(s.extra)) if self.sync is not None else s
+        return convert
+
     def stored(self, state: TrainState) -> TrainState:
         """This strategy's state -> the checkpoint layout: no device gathers anything whole."""
         self._need_shapes()
-        convert = self._unpadder()
+        convert = self._storer()
         return jax.jit(convert, out_shardings=self.stored_shardings(jax.eval_shape(convert, state)))(state)
 
     def from_stored(self, stored: TrainState) -> TrainState:
-        """The checkpoint layout -> this strategy's state."""
+        """The checkpoint layout -> this strategy's state (at this strategy's device count)."""
         self._need_shapes()
-        convert = self._padder()
+        pad = self._padder()
+
+        def convert(s):
+            if self.sync is not None:
+                s = s.replace(extra=self.sync.from_stored(s.extra, self.num_devices))
+            return pad(s)
         return jax.jit(convert, out_shardings=self.state_shardings(jax.eval_shape(convert, stored)))(stored)
 
     def stored_target(self, state: TrainState):
         """Shapes, dtypes and shardings of ``stored(state)``, computing nothing: what a restore fills."""
-        shapes = jax.eval_shape(self._unpadder(), state)
+        shapes = jax.eval_shape(self._storer(), state)
         return jax.tree_util.tree_map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                       shapes, self.stored_shardings(shapes))
 
