@@ -21,7 +21,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     d = TrainConfig()
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, help="resnet18 | resnet34 | resnet50")
+    g.add_argument("--model", default=d.model, help="resnet18 | resnet34 | resnet50 | vit-tiny | vit-small")
     g.add_argument("--width", type=int, default=d.width, help="channels of the first stage (64 = torchvision)")
     g.add_argument("--blocks", type=_ints, default=d.blocks, help="blocks per stage, e.g. 1,1,1,1")
     g.add_argument("--stem", default=d.stem, help="cifar | imagenet")
