@@ -52,9 +52,27 @@ PowerSGD (``ddp_comm_hooks/powerSGD_hook.py``, Vogels et al. 2019)
 
     State (``TrainState.extra``): ``{"q": {name: (cols, r)}, "error": params-shaped
     tree with a leading device axis}``. The error is per device (sharded over the
-    data axis); Q is replicated (it is the output of an all-reduce). Both are
-    global arrays, so a checkpoint holds them as they are; resuming with another
-    device count needs a fresh error (the leading axis is N).
+    data axis); Q is replicated (it is the output of an all-reduce).
+
+    Checkpoints and elastic resume: only the mean error matters. Every step
+    depends on the devices' errors only through their mean ``ē = Σ e_i / N``:
+    with ``x_i = g_i + e_i``, the uncompressed tensors' output is ``Σ x_i / N``
+    and the compressed ones' is ``P Pᵀ M̄`` with ``P = orth(Σ M_i Q) = orth(M̄ Q)``
+    (orthogonalization drops the scale), ``M̄ = Σ M_i / N``; the new errors
+    ``x_i - out`` have mean ``x̄ - out``. So (params, Q, ē) evolve as a function
+    of (params, Q, ē) and the global batch's mean gradient alone, whatever N and
+    however the error is split over the devices. The checkpoint form
+    (``stored``) therefore holds Q and the mean error, params-shaped, which no
+    longer depends on N; a restore at any device count (``from_stored``) gives
+    every device that mean. The rule: **resumed on N' devices, each of them
+    starts with the error ē the N devices had on average**, and the run
+    continues as the uninterrupted one would have (exactly, in exact
+    arithmetic; to rounding in floating point, since ``Σ (g_i + ē)`` rounds
+    differently from ``Σ (g_i + e_i)``: this holds at the same N too, so a
+    PowerSGD resume agrees with an uninterrupted run to rounding, not bit for
+    bit). Two assumptions are the elastic resume's own: the same global batch,
+    and a mean gradient that does not depend on N (no per-device BatchNorm).
+    tests/test_compression.py resumes a run saved on 4 devices on 2.
 """
 
 from typing import Callable, Dict, Mapping, Optional
@@ -225,6 +243,24 @@ class PowerSGD:
         if self.warm_start:
             specs["q"] = P()
         return specs
+
+    def stored(self, extra):
+        """``extra`` -> its checkpoint form, independent of N: the devices' mean error
+        (params-shaped) and Q (see the module docstring). Global arrays in, global arrays
+        out (under ``jit`` the mean is one all-reduce)."""
+        out = dict(extra)
+        if "error" in out:
+            out["error"] = jax.tree_util.tree_map(lambda e: jnp.mean(e, axis=0), out["error"])
+        return out
+
+    def from_stored(self, stored, num_devices: int):
+        """The checkpoint form -> ``extra`` for ``num_devices`` devices: each device gets the
+        saved mean error (the rule in the module docstring), Q as saved."""
+        out = dict(stored)
+        if "error" in out:
+            out["error"] = jax.tree_util.tree_map(
+                lambda e: jnp.broadcast_to(e[None], (num_devices,) + e.shape), out["error"])
+        return out
 
     def reduce(self, grads, extra, step, axis, sum_fn: Callable, vanilla: Callable):
         """Per device: (averaged grads, new extra). ``vanilla(grads)`` is the plain DDP average."""

@@ -89,17 +89,19 @@ def test_ddp_ring_equals_per_shard_reference():
     from helpers import TinyConvNet, init, max_rel_error, random_batch
 
     from jaxdp.strategies import create_strategy
-    from jaxdp.strategies.base import cross_entropy
+    from jaxdp.task import classifier, cross_entropy
 
     model, n = TinyConvNet(), 4
-    variables = {"batch_stats": {}, **init(model)}
+    variables = init(model)  # params only: a BN-free model's model_state is {}
     tx = optax.sgd(0.1, momentum=0.9)
     batches = [random_batch(16, seed=s) for s in range(2)]
     # A small cap: several buckets (conv kernel | conv bias + dense ...), each its own ring.
-    strategy = create_strategy("ddp", model, tx, make_mesh(n), allreduce="ring", bucket_cap_mb=0.0002)
+    strategy = create_strategy("ddp", model, classifier(model), tx, make_mesh(n), allreduce="ring",
+                               bucket_cap_mb=0.0002)
     state = strategy.init_state(variables)
+    assert state.model_state == {}
     for x, y in batches:
-        state, _ = strategy.step(state, *strategy.shard_batch(x, y))
+        state, _ = strategy.step(state, strategy.shard_batch({"image": x, "label": y}))
 
     params, opt_state = variables["params"], tx.init(variables["params"])
     for x, y in batches:
@@ -110,7 +112,8 @@ def test_ddp_ring_equals_per_shard_reference():
         params = optax.apply_updates(params, updates)
     assert max_rel_error(state.params, params) <= 1e-12
 
-    hlo = strategy.lower_step(state, *strategy.shard_batch(*batches[0])).compile().as_text()
+    x, y = batches[0]
+    hlo = strategy.lower_step(state, strategy.shard_batch({"image": x, "label": y})).compile().as_text()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     sent = permute_bytes(hlo)
     assert len(sent) > 2 * (n - 1)  # more than one bucket, each a ring

@@ -22,7 +22,7 @@ from jaxdp.collectives import ring_all_reduce  # noqa: E402
 from jaxdp.compression import PowerSGD, low_precision_reduce  # noqa: E402
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.strategies.base import cross_entropy  # noqa: E402
+from jaxdp.task import classifier, cross_entropy  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -63,10 +63,15 @@ def hook_math(grads, low, hop_rounding: bool):
     return total.astype(np.asarray(grads[0]).dtype)
 
 
+def batch(x, y):
+    return {"image": x, "label": y}
+
+
 def ddp_reduced_grads(model, variables, x, y, n, **options):
-    strategy = create_strategy("ddp", model, optax.sgd(0.0), make_mesh(n), return_grads=True, **options)
+    strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.0), make_mesh(n), return_grads=True,
+                               **options)
     state = strategy.init_state(variables)
-    return strategy.step(state, *strategy.shard_batch(x, y))[1]["grads"]
+    return strategy.step(state, strategy.shard_batch(batch(x, y)))[1]["grads"]
 
 
 @pytest.mark.parametrize("compress,low", [("bf16", BF16), ("fp16", F16)])
@@ -179,11 +184,11 @@ def test_ddp_powersgd_matches_numpy_reference_with_error_feedback():
     rng = np.random.default_rng(7)
     q0 = {"Conv_0.kernel": rng.normal(size=(27, 1)), "Dense_0.kernel": rng.normal(size=(4, 1))}
 
-    strategy = create_strategy("ddp", model, tx, make_mesh(n), compress="powersgd", powersgd_rank=1,
-                               powersgd_options={"start_iter": start, "initial_q": q0})
+    strategy = create_strategy("ddp", model, classifier(model), tx, make_mesh(n), compress="powersgd",
+                               powersgd_rank=1, powersgd_options={"start_iter": start, "initial_q": q0})
     state = strategy.init_state(variables)
     for x, y in batches:
-        state, _ = strategy.step(state, *strategy.shard_batch(x, y))
+        state, _ = strategy.step(state, strategy.shard_batch(batch(x, y)))
 
     params, opt_state, qs = variables["params"], tx.init(variables["params"]), dict(q0)
     errors = [{k: 0.0 for k in ("Conv_0.kernel", "Conv_0.bias", "Dense_0.kernel", "Dense_0.bias")}] * n
@@ -209,6 +214,66 @@ def test_ddp_powersgd_matches_numpy_reference_with_error_feedback():
 
 def _flat(tree):
     return {".".join(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1"])
+def test_powersgd_resumes_on_another_device_count_from_the_mean_error(tmp_path, name):
+    """Checkpointed on 4 devices after two compressed steps, resumed on 2: each of the 2
+    devices starts with the 4 devices' mean error and Q as saved (the rule in
+    compression.py's docstring), and the next three steps are the uninterrupted 4-device
+    run's: params, optimizer state, Q and mean error within 1e-12 (float64). Resumed with
+    zero errors instead, the run is another one: the saved errors carry real state."""
+    from jaxdp.checkpoint import Checkpointer
+
+    model, start = TinyConvNet(), 2
+    variables = {"params": init(model)["params"]}  # model_state {}, as abstract_state's model.init has it
+    tx = optax.sgd(0.1, momentum=0.9)
+    batches = [batch(*random_batch(8, seed=s)) for s in range(7)]
+    rng = np.random.default_rng(7)
+    q0 = {"Conv_0.kernel": rng.normal(size=(27, 1)), "Dense_0.kernel": rng.normal(size=(4, 1))}
+
+    def make(n):
+        return create_strategy(name, model, classifier(model), tx, make_mesh(n), compress="powersgd",
+                               powersgd_rank=1, powersgd_options={"start_iter": start, "initial_q": q0})
+
+    def run(strategy, state, steps):
+        for b in steps:
+            state, _ = strategy.step(state, strategy.shard_batch(b))
+        return strategy.canonical(state)
+
+    def mean_error(state):
+        return {k: np.asarray(e).mean(0) for k, e in _flat(state.extra["error"]).items()}
+
+    four = make(4)
+    state = run(four, four.init_state(variables), batches[:4])  # steps 3 and 4 compressed
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(4, four.stored(state), {})
+    saved_error, saved_q = mean_error(state), jax.tree_util.tree_map(np.asarray, state.extra["q"])
+    assert all(np.abs(saved_error[k]).max() > 1e-3 for k in ("Conv_0.kernel", "Dense_0.kernel"))
+    reference = run(four, four.from_canonical(state), batches[4:])
+
+    two = make(2)  # restored as jaxdp train restores: into shapes and shardings only
+    stored, _ = ckpt.restore(two.stored_target(two.abstract_state(batches[0])))
+    ckpt.close()
+    resumed = two.canonical(two.from_stored(stored))
+    assert int(resumed.step) == 4
+    for k, e in _flat(resumed.extra["error"]).items():  # the rule: every device gets the mean
+        assert e.shape == (2,) + saved_error[k].shape
+        for d in range(2):
+            np.testing.assert_array_equal(np.asarray(e[d]), saved_error[k], err_msg=k)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, resumed.extra["q"], saved_q))
+
+    after = run(two, two.from_canonical(resumed), batches[4:])
+    assert max_rel_error(after.params, reference.params) <= 1e-12
+    assert max_rel_error(after.opt_state, reference.opt_state) <= 1e-12
+    assert max_rel_error(after.extra["q"], reference.extra["q"]) <= 1e-12
+    want = mean_error(reference)
+    scale = max(np.abs(e).max() for e in want.values())
+    assert max(np.abs(e - want[k]).max() for k, e in mean_error(after).items()) <= 1e-12 * scale
+
+    zeroed = resumed.replace(extra={**resumed.extra, "error": jax.tree_util.tree_map(
+        np.zeros_like, resumed.extra["error"])})
+    assert max_rel_error(run(two, two.from_canonical(zeroed), batches[4:]).params, reference.params) > 1e-6
 
 
 # --- torch's own powerSGD_hook, on 2 gloo ranks, fed the same gradients ----------------------

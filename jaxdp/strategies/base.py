@@ -179,7 +179,8 @@ class Strategy:
         shard = lambda tree, on: layout.tree_specs(tree, n, axis) if on else jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
         return TrainState(
             step=P(), params=shard(state.params, self.sharded_params), model_state=shard(state.model_state, False),
-            opt_state=shard(state.opt_state, self.sharded_opt_state), extra=self.extra_specs(state.extra))
+            opt_state=shard(state.opt_state, self.sharded_opt_state),
+            extra=_full_specs(self.extra_specs(state.extra), state.extra))
 
     def extra_specs(self, extra):
         return jax.tree_util.tree_map(lambda _: P(), extra)
@@ -406,6 +407,13 @@ class Strategy:
                 return jax.lax.psum(self.local_eval(state, batch), self.batch_axes)
             self._jit_eval = jax.jit(self._shard_mapped(summed, state, P(self.batch_axes), P()))
         return self._jit_eval(state, batch)
+
+
+def _full_specs(specs, tree):
+    """A PartitionSpec prefix (PowerSGD's one spec for the whole error tree) -> one spec per leaf
+    of ``tree``, so the result pairs leaf by leaf with ``tree`` (``abstract_state``, ``stored_target``)."""
+    return jax.tree_util.tree_map(lambda spec, sub: jax.tree_util.tree_map(lambda _: spec, sub), specs, tree,
+                                  is_leaf=lambda x: isinstance(x, P))
 
 
 def _pad_tree(tree, n):

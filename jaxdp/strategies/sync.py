@@ -54,6 +54,14 @@ class AllReduce:
     def specs(self, axis):
         return self.powersgd.specs(axis) if self.powersgd else None
 
+    def stored(self, state):
+        """The state's checkpoint form, which does not depend on the device count (global arrays)."""
+        return self.powersgd.stored(state) if self.powersgd else state
+
+    def from_stored(self, stored, n: int):
+        """The checkpoint form -> the state for ``n`` devices (PowerSGD's rule: ``compression.py``)."""
+        return self.powersgd.from_stored(stored, n) if self.powersgd else stored
+
     def reduce_bucket(self, grads, axis, n: int):
         """Average one bucket (a list of gradients) over ``axis``: one collective, as DDP's default hook."""
         if self.compress in compression.LOW_PRECISION:
