@@ -69,8 +69,10 @@ def devices(plan) -> dict:
         torch_tf32 = "off (CPU: no TF32)"
     else:
         torch_tf32 = "off (allow_tf32=False for matmul and cuDNN, NVIDIA_TF32_OVERRIDE=0, in every rank)"
-    out["tf32"] = {"jaxdp": jax_tf32, "torch": torch_tf32,
-                   "off_on_both_sides": jax_tf32.startswith("off") and torch_tf32.startswith("off")}
+    verdicts = (jax_tf32, torch_tf32)
+    out["tf32"] = {"jaxdp": jax_tf32, "torch": torch_tf32,  # True, False, or None: not known
+                   "off_on_both_sides": (True if all(v.startswith("off") for v in verdicts) else
+                                         False if any(v.startswith("ON") for v in verdicts) else None)}
     return out
 
 
@@ -82,7 +84,7 @@ def devices_line(plan) -> str:
     names = sorted({r["device_name"] for r in ranks if r.get("device_name")})
     return (f"  devices: jaxdp {plan.cfg.devices} x {d.get('jax_device_kind', '?')} ({d.get('jax_platform', '?')}); "
             f"torch_ref {plan.backend}, rank r on [{where}]{' (' + ', '.join(names) + ')' if names else ''}; "
-            f"TF32 {'off on both sides' if d['tf32']['off_on_both_sides'] else 'NOT off'} "
+            f"TF32 {({True: 'off on both sides', False: 'NOT off'}).get(d['tf32']['off_on_both_sides'], 'not verified')} "
             f"(jaxdp: {d['tf32']['jaxdp']}; torch: {d['tf32']['torch']})")
 
 
