@@ -324,7 +324,7 @@ def _torch_backend(cfg: ParityConfig, pair: Pair):
 
     gpus = cuda_gpus()
     try:
-        if resolve_backend(cfg.backend, 1) == "gloo":  # asked for (flag or environment), or no GPU
+        if resolve_backend(cfg.backend, 1 if gpus else cfg.devices) == "gloo":  # asked for, or no GPU
             gpus = 0
         side = _torch_side(cfg, pair, gpus)
         backend = resolve_backend(cfg.backend, side[1]) if gpus else "gloo"

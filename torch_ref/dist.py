@@ -67,8 +67,9 @@ def resolve_backend(requested: Optional[str] = None, local_world: Optional[int] 
         return "nccl" if gpus >= ranks else "gloo"
     if choice == "nccl" and gpus < ranks:
         why = "CUDA is not available" if gpus == 0 else f"only {gpus} GPU(s) are visible"
+        fix = "use --backend gloo (or auto)" if source == "--backend" else f"set {BACKEND_ENV}=gloo (or unset it)"
         raise BackendError(f"backend nccl ({source}) needs one CUDA GPU per rank on this host: "
-                           f"{ranks} rank(s), but {why}; use --backend gloo (or auto)")
+                           f"{ranks} rank(s), but {why}; {fix}")
     return choice
 
 
