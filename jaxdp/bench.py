@@ -15,10 +15,8 @@ For every (N, strategy) row, in one invocation:
   ring formula (both from ``jaxdp.inspect``: ``measure``/``parse_collectives``).
 - **torch_ref**: the twin strategy (ddp -> DDP, zero1 -> ZeroRedundancyOptimizer,
   zero2/zero3 -> FSDP2, hsdp -> FSDP2 on a 2-D mesh, dp -> one process on the full batch
-  on CPU) in N ranks started like ``torch_ref.launcher`` (forkserver, one intra-op
-  thread per rank, torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``: rank r on ``cuda:r``
-  under nccl; backend from ``torch_ref.dist.resolve_backend``, i.e. ``JAXDP_TORCH_BACKEND``
-  or nccl with a GPU per rank, else gloo). Each rank builds ``torch_ref.step_api.build(config)`` and times
+  on CPU) in N gloo ranks started like ``torch_ref.launcher`` (forkserver, one intra-op
+  thread per rank). Each rank builds ``torch_ref.step_api.build(config)`` and times
   ``Runner.step(collect=False)`` itself: barrier, ``perf_counter``, step (which ends with an
   all-gather of the losses, so every rank has finished), ``perf_counter``. Rank 0's
   times are reported; process start, imports and wrapping are outside the timed steps.
@@ -39,8 +37,7 @@ XLA's parser silently stops at it, dropping every flag after it (the device coun
 record carries its environment: device kind, versions, those flags, CPU affinity and
 the load average before and after the row.
 
-GPU (CUDA host): the same command runs jaxdp on the GPUs and torch_ref on NCCL (rank r on
-``cuda:r``), default
+GPU (CUDA host): the same command runs jaxdp on the GPUs and torch_ref on NCCL, default
 dtype bfloat16, and adds MFU = images/s x FLOP per image / (N x peak), with FLOP per
 trained image from ResNet-18 CIFAR (3.33 GFLOP at width 64, scaled by (width/64)^2) and
 the peak from ``PEAK_TFLOPS`` by device name. This path has not been run on a GPU yet.
@@ -280,26 +277,23 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
 # ----------------------------------------------------------------------------- torch_ref side
 
 def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.ndarray, labels: np.ndarray,
-                  warmup: int, steps: int, timeout_s: float, backend: str = "gloo") -> None:
+                  warmup: int, steps: int, timeout_s: float) -> None:
     """One rank: build the Runner, run warm-up steps, time ``steps`` steps (see module docstring)."""
     import pickle
     import traceback
 
     code = 1
     try:
-        from torch_ref.launcher import rank_env
-
-        os.environ.update(rank_env(rank, world, backend))  # torchrun's variables: cuda:rank on nccl
+        os.environ["LOCAL_RANK"] = str(rank)  # cuda:rank on a GPU host; unused on CPU
         import torch
 
         torch.set_num_threads(1)
         from torch_ref import dist as tdist
         from torch_ref.step_api import build
 
-        tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"), rank=rank, world_size=world,
-                   backend=backend)
+        tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"), rank=rank, world_size=world)
         runner = build(config, None)
-        cuda = tdist.device().type == "cuda"  # gloo runs on the CPU, GPUs or not
+        cuda = torch.cuda.is_available()
         x, y = images[rank], labels[rank]
         for _ in range(warmup):
             runner.step(x, y, collect=False)
@@ -342,7 +336,6 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     import tempfile
 
     from torch_ref import launcher
-    from torch_ref.dist import resolve_backend
 
     config = {"strategy": TORCH_TWIN[name], "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
               "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
@@ -354,8 +347,6 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
         world = 1
         images = images.reshape(1, -1, *images.shape[2:])
         labels = labels.reshape(1, -1)
-    # Resolved here, not in the ranks: a forkserver started earlier has another environment.
-    backend = resolve_backend(cfg.get("torch_backend"), world)
     ctx = launcher._context()
     workdir = tempfile.mkdtemp(prefix="jaxdp_bench_torch_")
     procs = []
@@ -363,8 +354,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     try:
         for r in range(world):
             p = ctx.Process(target=_torch_worker, daemon=True,
-                            args=(r, world, workdir, config, images, labels, cfg["warmup"], cfg["steps"], timeout_s,
-                                  backend))
+                            args=(r, world, workdir, config, images, labels, cfg["warmup"], cfg["steps"], timeout_s))
             p.start()
             procs.append(p)
         launcher._wait(procs, workdir, timeout_s)
