@@ -1,12 +1,13 @@
-# Two entry points: `make train` (the quickstart run) and `make test` (the suite).
-# Both create .venv and install the project into it on first use.
+# Entry points: `make train` (the quickstart run), `make test` (the suite) and, on a host with
+# >= 2 NVIDIA GPUs, `make gpu-check` (parity of every strategy on every GPU + one bench row,
+# report in runs/gpu-check/). Each creates .venv and installs the project into it on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICKSTART_ARGS := --strategy ddp --model resnet18 --width 16 --devices 2 --global-batch-size 128 \
 	--epochs 2 --synthetic-size 5000,1000 --lr 0.1 --out runs/quickstart --overwrite
 
-.PHONY: train test install clean
+.PHONY: train test install install-gpu gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +22,20 @@ train: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# JAX's CUDA build on top of the dev install (torch's default Linux wheel already has CUDA).
+install-gpu: $(VENV)/.installed-gpu
+
+$(VENV)/.installed-gpu: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev,gpu]"
+	touch $@
+
+# JAX must see the GPUs (JAX_PLATFORMS unset) and leave memory to the torch ranks sharing them.
+# Extra options: make gpu-check GPU_CHECK_ARGS="--devices 4" (or --dtypes float64, --no-bench, ...).
+GPU_CHECK_ARGS ?=
+gpu-check: install-gpu
+	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
+		$(BIN)/python -m parity_tests.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -18,6 +18,11 @@ for _flag in _TEST_FLAGS:
         _flags = f"{_flags} {_flag}".strip()
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# torch_ref's side stays on the CPU as well (gloo ranks), also on a GPU host: a CPU suite must
+# not turn into an NCCL run because CUDA is visible. JAXDP_TORCH_BACKEND=auto (or nccl) in the
+# environment puts the suite's torch launches on the GPUs instead (torch_ref.dist). Tests
+# marked gpu ask for CUDA themselves (JAX and torch, in a subprocess: see test_parity.py).
+os.environ.setdefault("JAXDP_TORCH_BACKEND", "gloo")
 
 import jax  # noqa: E402
 

@@ -15,8 +15,9 @@ import platform
 from typing import List, Optional
 
 
-def environment(cuda: bool = False) -> dict:
-    """Versions and devices, so a report says where its numbers came from."""
+def environment(cuda: bool = False, plan=None) -> dict:
+    """Versions and devices, so a report says where its numbers came from; with ``plan``,
+    also both sides' devices, the torch backend and TF32 (``devices``)."""
     env = {"python": platform.python_version(), "machine": platform.machine()}
     try:
         import jax
@@ -31,7 +32,60 @@ def environment(cuda: bool = False) -> dict:
         env.update(torch=torch.__version__, torch_device="cuda" if cuda else "cpu")
     except Exception:  # pragma: no cover
         pass
+    if plan is not None:
+        env.update(devices(plan))
     return env
+
+
+def devices(plan) -> dict:
+    """What each side ran on: jaxdp's platform, device kind and matmul precision; torch's
+    backend and every rank's device and TF32 flags (``torch_ref.launcher.rank_info``,
+    recorded by the ranks themselves); and one verdict per side on TF32."""
+    from parity_tests.runner import torch_ranks
+
+    out: dict = {"torch_backend": plan.backend}
+    try:
+        import jax
+
+        backend, prec = jax.default_backend(), jax.config.jax_default_matmul_precision
+        out.update(jax_platform=backend, jax_device_kind=jax.devices()[0].device_kind,
+                   jax_matmul_precision=prec)
+        jax_tf32 = ("off (CPU: no TF32)" if backend == "cpu" else
+                    "off (jax_default_matmul_precision=highest)" if str(prec) in ("highest", "float32") else
+                    f"ON (jax_default_matmul_precision={prec})")
+    except Exception:  # pragma: no cover
+        jax_tf32 = "unknown"
+    ranks = torch_ranks(plan) or []
+    out["torch_ranks"] = [{k: r.get(k) for k in ("rank", "device", "device_name", "backend",
+                                                 "matmul_allow_tf32", "cudnn_allow_tf32", "tf32_off")}
+                          | {"LOCAL_RANK": r.get("env", {}).get("LOCAL_RANK"),
+                             "NVIDIA_TF32_OVERRIDE": r.get("env", {}).get("NVIDIA_TF32_OVERRIDE")}
+                          for r in ranks]
+    if not ranks:
+        torch_tf32 = "unknown (no torch rank reported)"
+    elif not all(r.get("tf32_off") for r in ranks):
+        torch_tf32 = "ON in rank(s) " + ", ".join(str(r["rank"]) for r in ranks if not r.get("tf32_off"))
+    elif all(str(r.get("device", "cpu")).startswith("cpu") for r in ranks):
+        torch_tf32 = "off (CPU: no TF32)"
+    else:
+        torch_tf32 = "off (allow_tf32=False for matmul and cuDNN, NVIDIA_TF32_OVERRIDE=0, in every rank)"
+    verdicts = (jax_tf32, torch_tf32)
+    out["tf32"] = {"jaxdp": jax_tf32, "torch": torch_tf32,  # True, False, or None: not known
+                   "off_on_both_sides": (True if all(v.startswith("off") for v in verdicts) else
+                                         False if any(v.startswith("ON") for v in verdicts) else None)}
+    return out
+
+
+def devices_line(plan) -> str:
+    """One line: both sides' devices, the torch backend, TF32."""
+    d = devices(plan)
+    ranks = d["torch_ranks"]
+    where = ", ".join(f"{r['device']}" for r in ranks) or "?"
+    names = sorted({r["device_name"] for r in ranks if r.get("device_name")})
+    return (f"  devices: jaxdp {plan.cfg.devices} x {d.get('jax_device_kind', '?')} ({d.get('jax_platform', '?')}); "
+            f"torch_ref {plan.backend}, rank r on [{where}]{' (' + ', '.join(names) + ')' if names else ''}; "
+            f"TF32 {({True: 'off on both sides', False: 'NOT off'}).get(d['tf32']['off_on_both_sides'], 'not verified')} "
+            f"(jaxdp: {d['tf32']['jaxdp']}; torch: {d['tf32']['torch']})")
 
 
 def header(result) -> List[str]:
@@ -46,6 +100,7 @@ def header(result) -> List[str]:
         f"{cfg.batch_per_device}/device, accum {cfg.accum}, sync_bn {cfg.sync_bn}, "
         f"{cfg.optimizer} lr {cfg.lr} ({cfg.schedule}), {cfg.steps} steps",
         f"  bounds: {result.comparison.bounds.name} (rel err = max|jax - torch| / max|torch| per tensor)",
+        devices_line(p),
     ]
     for note in p.notes:
         lines.append(f"  note: {note}")

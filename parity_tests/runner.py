@@ -62,11 +62,17 @@ Bounds (``parity_tests.compare``): float64, every tensor at every step rel <= 1e
 bf16/fp16 hooks on N > 2 ranks, step-0 tensors within the wire's rounding and every
 gradient an exact wire value (``compare.low_precision_wire``).
 
-GPU mode: the same runner, when CUDA is available to both sides: torch on nccl with TF32
+GPU mode: the same runner, when CUDA is available to both sides: torch on nccl, rank r on
+``cuda:r`` (the launcher gives it ``LOCAL_RANK=r``, ``LOCAL_WORLD_SIZE=N``), with TF32
 off in every rank (``torch_ref.launcher.no_tf32``: ``allow_tf32 = False`` for matmuls and
 cuDNN, and ``NVIDIA_TF32_OVERRIDE=0``, set by the rank itself since its forkserver may
-predate this process's environment), JAX with ``jax_default_matmul_precision="highest"``.
-One rank per GPU, so N <= the GPUs present.
+predate this process's environment), JAX on the GPUs with
+``jax_default_matmul_precision="highest"``. ``--backend`` picks the torch side's process
+group: ``auto`` (default; ``JAXDP_TORCH_BACKEND`` if set, else nccl when there is a GPU for
+every torch rank, else gloo), ``nccl`` (an error without one GPU per rank) or ``gloo``
+(torch on the CPU, also on a GPU host). The report states both sides' devices, the
+backend and the TF32 flags each torch rank ran with. ``make gpu-check``
+(``parity_tests.gpu_check``) runs the whole set on every visible GPU.
 
 Nothing here imports jax or torch at module level: ``jaxdp parity --devices N`` must set
 XLA's simulated-device flag first.
@@ -132,6 +138,7 @@ class ParityConfig:
     mesh_shape: Optional[Tuple[int, int]] = None
     # harness
     timeout_s: float = 300.0
+    backend: str = "auto"           # torch side: auto | nccl | gloo (torch_ref.dist.resolve_backend)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -219,6 +226,8 @@ class Plan:
     cuda: bool
     notes: List[str] = field(default_factory=list)
     powersgd_q: Optional[Dict[str, np.ndarray]] = None  # torch name -> initial Q
+    backend: str = "gloo"           # the torch process group's: nccl (cuda:r per rank) or gloo (CPU)
+    torch_ranks: Optional[List[dict]] = None  # each torch rank's launcher.rank_info, once it ran
 
     def to_json(self) -> dict:
         tc = {k: v for k, v in self.torch_config.items() if k != "powersgd_q"}
@@ -227,7 +236,7 @@ class Plan:
                           "sync_bn": self.cfg.sync_bn},
                 "torch": {"strategy": self.torch_strategy, "world": self.world,
                           "full_batch": self.full_batch, "config": _jsonable(tc),
-                          "backend": "nccl" if self.cuda else "gloo"},
+                          "backend": self.backend},
                 "twin": self.pair.twin, "notes": self.notes}
 
 
@@ -261,22 +270,8 @@ def plan(cfg: ParityConfig) -> Plan:
         if err:
             raise ParityError(err)
 
-    gpus = cuda_gpus()
-    cuda = gpus > 0
-    torch_strategy = pair.torch(cfg, gpus) if callable(pair.torch) else pair.torch
-    notes = [pair.note] if pair.note and torch_strategy != "dp" else []
-    world, full_batch = cfg.devices, False
-    if torch_strategy == "dp":
-        world = 1  # nn.DataParallel: one process driving N GPUs
-    if cfg.sync_bn:
-        if cuda and gpus >= cfg.devices:
-            notes.append("torch: DDP-family + SyncBatchNorm on N CUDA ranks")
-        else:
-            world, full_batch = 1, True
-            notes.append(SYNC_BN_CPU)
-    if cuda and world > gpus:
-        raise ParityError(f"torch on CUDA needs one GPU per rank: {world} ranks, {gpus} GPUs "
-                          f"(use --devices <= {gpus})")
+    backend, gpus, (torch_strategy, world, full_batch, notes) = _torch_backend(cfg, pair)
+    cuda = backend == "nccl"
 
     jax_options = {OPTIONS[n].jax: getattr(cfg, n) for n in pair.options
                    if getattr(cfg, n) != OPTIONS[n].default}
@@ -297,12 +292,47 @@ def plan(cfg: ParityConfig) -> Plan:
             tcfg[key] = tuple(getattr(cfg, n)) if n == "mesh_shape" else getattr(cfg, n)
     if cfg.allreduce != "psum":
         notes.append(f"jaxdp sums with allreduce={cfg.allreduce!r}; torch with the {'nccl' if cuda else 'gloo'} all-reduce")
-    p = Plan(cfg, pair, torch_strategy, world, full_batch, jax_options, tcfg, cuda, notes)
+    p = Plan(cfg, pair, torch_strategy, world, full_batch, jax_options, tcfg, cuda, notes, backend=backend)
     if cfg.compress == "powersgd":
         _plan_powersgd(p)
     if full_batch and cfg.strategy != "ddp":
         notes.append(f"torch runs '{torch_strategy}' on one rank with the full batch")
     return p
+
+
+def _torch_side(cfg: ParityConfig, pair: Pair, gpus: int):
+    """(torch strategy, ranks, full batch on one rank?, notes) with ``gpus`` CUDA GPUs to use."""
+    torch_strategy = pair.torch(cfg, gpus) if callable(pair.torch) else pair.torch
+    notes = [pair.note] if pair.note and torch_strategy != "dp" else []
+    world, full_batch = cfg.devices, False
+    if torch_strategy == "dp":
+        world = 1  # nn.DataParallel: one process driving N GPUs
+    if cfg.sync_bn:
+        if gpus and gpus >= cfg.devices:
+            notes.append("torch: DDP-family + SyncBatchNorm on N CUDA ranks")
+        else:
+            world, full_batch = 1, True
+            notes.append(SYNC_BN_CPU)
+    return torch_strategy, world, full_batch, notes
+
+
+def _torch_backend(cfg: ParityConfig, pair: Pair):
+    """(backend, GPUs used, ``_torch_side``) for ``cfg.backend`` (auto: ``JAXDP_TORCH_BACKEND``
+    if set, else nccl when CUDA has a GPU for every torch rank, else gloo; see
+    ``torch_ref.dist.resolve_backend``). gloo means the CPU, GPUs or not."""
+    from torch_ref.dist import BackendError, resolve_backend
+
+    gpus = cuda_gpus()
+    try:
+        if resolve_backend(cfg.backend, 1 if gpus else cfg.devices) == "gloo":  # asked for, or no GPU
+            gpus = 0
+        side = _torch_side(cfg, pair, gpus)
+        backend = resolve_backend(cfg.backend, side[1]) if gpus else "gloo"
+    except BackendError as e:
+        raise ParityError(str(e)) from None
+    if backend == "gloo" and gpus:  # auto with fewer GPUs than ranks: the CPU path
+        gpus, side = 0, _torch_side(cfg, pair, 0)
+    return backend, gpus, side
 
 
 def _plan_powersgd(p: Plan) -> None:
@@ -485,7 +515,17 @@ def run_torch(p: Plan, state_dict: Mapping[str, np.ndarray],
         feed = [full_batch_order(x, y, p.cfg.accum) for x, y in batches]
     else:
         feed = list(batches)
-    return run_steps(p.world, p.torch_config, dict(state_dict), feed, timeout_s=p.cfg.timeout_s)
+    info: Dict[str, Any] = {}
+    records = run_steps(p.world, p.torch_config, dict(state_dict), feed, timeout_s=p.cfg.timeout_s,
+                        backend=p.backend, info=info)
+    p.torch_ranks = _TORCH_RANKS[torch_cache_key(p)] = info["ranks"]
+    return records
+
+
+def torch_ranks(p: Plan) -> Optional[List[dict]]:
+    """Each torch rank's device, backend and TF32 flags (``torch_ref.launcher.rank_info``),
+    also when the records came from an earlier identical run (``reuse_torch``)."""
+    return p.torch_ranks or _TORCH_RANKS.get(torch_cache_key(p))
 
 
 def torch_cache_key(p: Plan) -> str:
@@ -495,7 +535,7 @@ def torch_cache_key(p: Plan) -> str:
     tc = {k: (sorted((n, v.tobytes()) for n, v in val.items()) if k == "powersgd_q" else val)
           for k, val in p.torch_config.items()}
     return repr((p.world, p.full_batch, sorted(tc.items(), key=lambda kv: kv[0]), c.devices,
-                 c.batch_per_device, c.image_size, c.dataset_size, c.seed, c.steps))
+                 c.batch_per_device, c.image_size, c.dataset_size, c.seed, c.steps, p.backend))
 
 
 # ----------------------------------------------------------------------------- one run
@@ -554,7 +594,7 @@ class ParityResult:
         return {"config": _jsonable(self.plan.cfg.to_json()), "plan": self.plan.to_json(),
                 "passed": self.passed, "injected_bug": self.bug, "message": self.message(),
                 "seconds": self.seconds,
-                "environment": environment(self.plan.cuda),
+                "environment": environment(self.plan.cuda, self.plan),
                 "comparison": self.comparison.to_json()}
 
 
@@ -570,6 +610,7 @@ def bounds_for(p: Plan):
 
 
 _TORCH_RUNS: Dict[str, List[dict]] = {}
+_TORCH_RANKS: Dict[str, List[dict]] = {}  # torch_cache_key -> the ranks' rank_info
 
 
 def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
@@ -670,6 +711,10 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--png", default=None, help="also write the plot to this path (e.g. docs/parity.png)")
     g.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
                    help="seconds before the torch ranks are killed")
+    g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default=d.backend,  # torch_ref.dist.BACKENDS
+                   help="torch side's process group. auto (default): $JAXDP_TORCH_BACKEND if set, else nccl "
+                        "when CUDA has a GPU for every torch rank (rank r on cuda:r), else gloo. nccl without "
+                        "enough GPUs is an error; gloo keeps torch on the CPU, also on a GPU host")
     g.add_argument("--inject-bug", default=None, metavar="BUG",
                    help="demo: run jaxdp with a deliberate bug (same_padding | biased_var | "
                         "missing_1_over_n | wrong_shard_bn) and watch the harness name it; exit "

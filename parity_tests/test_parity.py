@@ -171,27 +171,51 @@ def test_full_batch_order_puts_each_devices_kth_micro_batch_together():
 
 # ----------------------------------------------------------------------------- GPU
 
-def _cuda_on_both_sides() -> int:
-    import jax
+def _cuda_gpus() -> int:
     import torch
 
-    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
-        return 0
-    return min(torch.cuda.device_count(), len(jax.devices()))
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_gpu_ddp(dtype):
-    """The same runner on CUDA: nccl ranks (one per GPU), TF32 off, XLA highest precision.
-    Needs JAX on the GPU too (the root conftest pins JAX_PLATFORMS=cpu unless it is set:
-    run with JAX_PLATFORMS=cuda)."""
-    gpus = _cuda_on_both_sides()
-    if not gpus:
-        pytest.skip("needs CUDA for both torch and JAX (set JAX_PLATFORMS=cuda)")
-    n = min(gpus, 2)
-    assert_parity(run_parity(config(dtype, strategy="ddp", devices=n, steps=SHORT, **SGD)))
+def test_gpu_parity_every_strategy_on_every_gpu(dtype, tmp_path):
+    """ddp, zero1, zero2, zero3, hsdp and dp against their torch twins at N = every visible
+    GPU (>= 2): ``parity_tests.gpu_check`` (what ``make gpu-check`` runs) in a subprocess,
+    because this process's JAX is pinned to the CPU by the root conftest. There JAX computes
+    on the GPUs at the highest matmul precision and torch on nccl, rank r on cuda:r, TF32
+    off in every rank; each pair must pass and say so."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    gpus = _cuda_gpus()
+    if gpus < 2:
+        pytest.skip(f"needs >= 2 CUDA GPUs (torch sees {gpus}); on a GPU host run: make gpu-check")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAXDP_TORCH_BACKEND")}
+    out = tmp_path / "gpu-check"
+    proc = subprocess.run([sys.executable, "-m", "parity_tests.gpu_check", "--dtypes", dtype, "--backend", "nccl",
+                           "--no-bench", "--no-png", "--out", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode == 2 and "does not compute it" in proc.stderr:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert (report["status"], report["mode"], report["n"], report["backend"]) == ("PASS", "gpu", gpus, "nccl")
+    assert [p["strategy"] for p in report["pairs"]] == ["ddp", "zero1", "zero2", "zero3", "hsdp", "dp"]
+    for p in report["pairs"]:
+        assert p["status"] == "PASS", (p["id"], p["message"])
+        dev = p["details"]["devices"]
+        assert dev["jax_platform"] == "gpu" and dev["jax_matmul_precision"] == "highest"
+        assert dev["tf32"]["off_on_both_sides"], dev["tf32"]
+        ranks = dev["torch_ranks"]  # dp: one process driving every GPU (nn.DataParallel)
+        want = ["cuda:0"] if p["strategy"] == "dp" else [f"cuda:{r}" for r in range(gpus)]
+        assert [r["device"] for r in ranks] == want
+        assert [r["LOCAL_RANK"] for r in ranks] == [str(r) for r in range(len(want))]
+        assert all(r["NVIDIA_TF32_OVERRIDE"] == "0" and not r["cudnn_allow_tf32"] for r in ranks)
 
 
 def test_torch_ranks_turn_tf32_off_themselves_on_cuda(monkeypatch):

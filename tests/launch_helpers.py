@@ -24,9 +24,10 @@ def shared_2x2_cache(tmp_path_factory) -> str:
 
 
 def job_env(**extra):
-    """The test process's environment minus its 8 simulated devices (each process gets its own)."""
+    """The test process's environment minus its 8 simulated devices (each process gets its own)
+    and any job variables (JAXDP_*, SLURM_*); the torch backend choice is kept."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS",) and not k.startswith(("JAXDP_", "SLURM_"))}
+           if k not in ("XLA_FLAGS",) and (not k.startswith(("JAXDP_", "SLURM_")) or k == "JAXDP_TORCH_BACKEND")}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
     return env
 

@@ -13,8 +13,9 @@ It shares only the numpy data pipeline and the weight conversion
 - ``step_api``: ``build(config, init_state_dict) -> Runner``; ``Runner.step`` returns loss,
   averaged grads, params, BN buffers and optimizer state for parity checks.
 - ``launcher``: ``run_steps(world_size, config, init_state_dict, batches)`` runs those steps
-  on N gloo processes from one Python call.
-- ``checkpoint``, ``dist``: strategy-independent checkpoints; process-group plumbing.
+  on N processes from one Python call (rank r: ``LOCAL_RANK=r``, so ``cuda:r`` on nccl).
+- ``checkpoint``, ``dist``: strategy-independent checkpoints; process-group plumbing
+  (backend ``auto|nccl|gloo``, ``JAXDP_TORCH_BACKEND``; device ``cuda:LOCAL_RANK`` or cpu).
 
 Nothing here imports JAX at module level (``jaxdp.optim`` is imported only for a
 non-constant lr schedule), so torch ranks start without it.

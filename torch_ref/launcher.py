@@ -1,6 +1,7 @@
-"""Run a few ``step_api`` steps on N gloo ranks from one Python call (no torchrun).
+"""Run a few ``step_api`` steps on N ranks from one Python call (no torchrun).
 
     results = run_steps(2, config, init_state_dict, [(images, labels), ...])
+    results = run_steps(2, ..., backend="gloo")     # auto (default) | nccl | gloo
 
 ``images`` is (world, b, 32, 32, 3) float NHWC and ``labels`` (world, b): row r is rank r's
 batch, the layout of ``jaxdp.data.epoch_batches``. Returns rank 0's per-step dicts (see
@@ -13,7 +14,7 @@ caller's torch state, threads or CUDA context leaks in; but forked from a server
 imported torch, FSDP2, DTensor and torch._dynamo once, which saves each rank ~4 s of
 imports after the first launch), one thread each. They meet through a ``FileStore`` in a
 private temporary directory rather than a TCP port: no free-port race when several
-launches (or pytest workers) start at once. Rank 0 pickles its results to a file, written
+launches (or pytest workers) start at once. Each rank pickles its result to a file, written
 to a temporary name and renamed, so a half-written file is never read. A rank that raises
 writes its traceback next to it; the parent then stops the others (which would otherwise
 wait in a collective until the process-group timeout) and raises ``LaunchError`` with the
@@ -21,6 +22,16 @@ traceback. A run that exceeds ``timeout_s`` is killed the same way, after each s
 has dumped its Python stacks into the error (``faulthandler`` on SIGUSR1): a hang names
 the line it hangs on. Ranks leave with ``os._exit`` once their results are written (see
 ``_worker`` for the torch teardown deadlock this avoids).
+
+Devices and backend: rank r gets torchrun's variables, ``RANK=r``, ``WORLD_SIZE=N``,
+``LOCAL_RANK=r``, ``LOCAL_WORLD_SIZE=N`` (``rank_env``), so on nccl it computes on
+``cuda:r`` (``torch_ref.dist.device``); ``CUDA_VISIBLE_DEVICES`` is left alone (every rank
+sees every GPU, as under torchrun). The backend is resolved once, here in the caller
+(``torch_ref.dist.resolve_backend``: ``backend`` argument, else ``JAXDP_TORCH_BACKEND``,
+else nccl with a GPU per rank, else gloo) and handed to every rank with the variables:
+a forkserver started earlier would not pass on this process's environment. Each rank
+turns TF32 off itself on CUDA (``no_tf32``) and reports what it ran on (``rank_info``;
+``run_steps(..., info={})`` collects every rank's).
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -55,30 +66,57 @@ def _collect_steps(collect: Collect, n: int) -> set:
     return {int(i) % n for i in collect}
 
 
-def _worker(rank: int, world: int, workdir: str, config: Mapping[str, Any],
-            init_state_dict: Optional[Mapping[str, Any]], batches: List[Tuple[np.ndarray, np.ndarray]],
-            collect: Sequence[int], timeout_s: float) -> None:
+def rank_env(rank: int, world: int, backend: str) -> dict:
+    """What rank ``rank`` of ``world`` on this host gets in its environment: torchrun's
+    variables (the device is ``cuda:LOCAL_RANK`` on nccl) and the resolved backend."""
+    from torch_ref.dist import BACKEND_ENV
+
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), BACKEND_ENV: backend}
+
+
+def rank_info() -> dict:
+    """What this rank runs on (call it inside an initialised rank): its variables, device,
+    backend and TF32 flags. ``run_ranks`` records it for every rank."""
+    import torch
+
+    from torch_ref import dist as tdist
+
+    dev = tdist.device()
+    return {"rank": tdist.rank(), "world_size": tdist.world_size(),
+            "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                   "CUDA_VISIBLE_DEVICES", "NVIDIA_TF32_OVERRIDE")},
+            "backend": tdist.backend(), "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "tf32_off": dev.type != "cuda" or not (torch.backends.cuda.matmul.allow_tf32
+                                                   or torch.backends.cudnn.allow_tf32)}
+
+
+def _worker(rank: int, world: int, workdir: str, backend: str, timeout_s: float,
+            fn: Callable[..., Any], args: tuple) -> None:
+    """One rank: torchrun's variables, TF32 off on CUDA, the process group, ``fn(*args)``;
+    its return value and ``rank_info()`` are pickled to ``result<rank>.pkl``."""
     code = 1
     stacks = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # for _wait on a hang
     try:
+        os.environ.update(rank_env(rank, world, backend))
         import torch
 
         torch.set_num_threads(1)
         from torch_ref import dist as tdist
-        from torch_ref.step_api import build
 
-        no_tf32(tdist.device())
+        no_tf32(tdist.device(backend))
         tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"),
-                   rank=rank, world_size=world)
-        runner = build(config, init_state_dict)
-        results = [runner.step(images, labels, collect=(i in collect))
-                   for i, (images, labels) in enumerate(batches)]
-        if rank == 0:
-            tmp = os.path.join(workdir, "results.pkl.tmp")
-            with open(tmp, "wb") as f:
-                pickle.dump(results, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, os.path.join(workdir, "results.pkl"))
+                   rank=rank, world_size=world, backend=backend)
+        info = rank_info()
+        value = fn(*args)
+        tmp = os.path.join(workdir, f"result{rank}.pkl.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump((value, info), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, os.path.join(workdir, f"result{rank}.pkl"))
         torch.distributed.barrier()  # nobody leaves while another still communicates
         code = 0
     except BaseException:
@@ -93,6 +131,17 @@ def _worker(rank: int, world: int, workdir: str, config: Mapping[str, Any],
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _steps(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]],
+           batches: List[Tuple[np.ndarray, np.ndarray]], collect: Sequence[int]) -> Optional[List[dict]]:
+    """``run_steps``' work in one rank: rank 0's per-step dicts, None on the others."""
+    from torch_ref import dist as tdist
+    from torch_ref.step_api import build
+
+    runner = build(config, init_state_dict)
+    results = [runner.step(images, labels, collect=(i in collect)) for i, (images, labels) in enumerate(batches)]
+    return results if tdist.rank() == 0 else None
 
 
 def no_tf32(device) -> bool:
@@ -113,15 +162,56 @@ def no_tf32(device) -> bool:
     return True
 
 
+def run_ranks(world_size: int, fn: Callable[..., Any], rank_args: Optional[Sequence[tuple]] = None, *,
+              backend: Optional[str] = None, timeout_s: float = 300.0,
+              info: Optional[dict] = None) -> List[Any]:
+    """Start ``world_size`` ranks, run ``fn(*rank_args[r])`` in rank r inside the process
+    group, return every rank's return value (rank order). ``fn`` must be picklable (a
+    module-level function). ``backend``: auto (default) | nccl | gloo, resolved here
+    (``torch_ref.dist.resolve_backend``; ``BackendError`` in one line if impossible).
+    ``info``: if given, filled with ``backend`` and ``ranks`` (each rank's ``rank_info``).
+    Raises ``LaunchError`` (with the failing rank's traceback) on failure or timeout."""
+    from torch_ref.dist import resolve_backend
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    rank_args = [()] * world_size if rank_args is None else list(rank_args)
+    if len(rank_args) != world_size:
+        raise ValueError(f"rank_args has {len(rank_args)} entries for {world_size} ranks")
+    name = resolve_backend(backend, world_size)
+    ctx = _context()
+    workdir = tempfile.mkdtemp(prefix="torch_ref_launch_")
+    procs = []
+    try:
+        for r in range(world_size):
+            p = ctx.Process(target=_worker, name=f"torch_ref-rank{r}", daemon=True,
+                            args=(r, world_size, workdir, name, timeout_s, fn, tuple(rank_args[r])))
+            p.start()
+            procs.append(p)
+        _wait(procs, workdir, timeout_s)
+        out = []
+        for r in range(world_size):
+            with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+    finally:
+        _stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if info is not None:
+        info.update(backend=name, ranks=[i for _, i in out])
+    return [v for v, _ in out]
+
+
 def run_steps(world_size: int, config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]],
               batches_per_step: Sequence[Tuple[np.ndarray, np.ndarray]], *, timeout_s: float = 300.0,
-              collect: Collect = "all") -> List[dict]:
-    """Spawn ``world_size`` gloo ranks, run one ``Runner.step`` per batch, return rank 0's dicts.
+              collect: Collect = "all", backend: Optional[str] = None,
+              info: Optional[dict] = None) -> List[dict]:
+    """Spawn ``world_size`` ranks, run one ``Runner.step`` per batch, return rank 0's dicts.
 
     ``batches_per_step``: a sequence of ``(images, labels)`` with images
     (world, b, 32, 32, 3) and labels (world, b); each rank receives only its own rows.
     ``collect``: "all" (full record every step), "last", "loss" (losses, accuracy and lr
     only, no gathers) or an iterable of step indices to record in full.
+    ``backend``, ``info``: as ``run_ranks``.
     Raises ``LaunchError`` (with the failing rank's traceback) on failure or timeout.
     """
     if world_size < 1:
@@ -135,23 +225,10 @@ def run_steps(world_size: int, config: Mapping[str, Any], init_state_dict: Optio
         for r in range(world_size):
             per_rank[r].append((images[r], labels[r]))
     steps = _collect_steps(collect, len(batches_per_step))
-
-    ctx = _context()
-    workdir = tempfile.mkdtemp(prefix="torch_ref_launch_")
-    procs = []
-    try:
-        for r in range(world_size):
-            p = ctx.Process(target=_worker, name=f"torch_ref-rank{r}", daemon=True,
-                            args=(r, world_size, workdir, dict(config), init_state_dict,
-                                  per_rank[r], steps, timeout_s))
-            p.start()
-            procs.append(p)
-        _wait(procs, workdir, timeout_s)
-        with open(os.path.join(workdir, "results.pkl"), "rb") as f:
-            return pickle.load(f)
-    finally:
-        _stop(procs)
-        shutil.rmtree(workdir, ignore_errors=True)
+    state = dict(config), init_state_dict
+    results = run_ranks(world_size, _steps, [(*state, per_rank[r], steps) for r in range(world_size)],
+                        backend=backend, timeout_s=timeout_s, info=info)
+    return results[0]
 
 
 # Imported once by the fork server, inherited by every rank it forks. torch._dynamo comes

@@ -4,6 +4,10 @@
         --blocks 1,1,1,1 --synthetic-size 256,64 --global-batch-size 32 --epochs 1 --out runs/t
     python -m torch_ref.train --strategy ddp ...        # without torchrun: one process
     python -m torch_ref.train --strategy dp ...         # nn.DataParallel over the local GPUs
+    ... --backend gloo                                  # auto (default) | nccl | gloo
+
+``--backend`` (``auto`` defers to ``JAXDP_TORCH_BACKEND`` when set; see ``torch_ref.dist``):
+under nccl rank r computes on ``cuda:LOCAL_RANK`` (torchrun sets it), under gloo on the CPU.
 
 Everything a run sees is shared with jaxdp: the options (``jaxdp.cli.add_train_args``
 into ``jaxdp.config.TrainConfig``), the numpy data pipeline (rank r loads only its rows,
@@ -326,27 +330,46 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
 
 # ----------------------------------------------------------------------------- command line
 
-def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
-    from jaxdp.cli import add_train_args, config_from_args
+def add_backend_arg(parser: argparse.ArgumentParser) -> None:
+    """``--backend``: torch_ref's process-group backend (the parity CLI has the same)."""
+    parser.add_argument(
+        "--backend", choices=tdist.BACKENDS, default="auto",
+        help=f"torch process-group backend. auto (default): ${tdist.BACKEND_ENV} if set, else nccl when "
+             "CUDA has a GPU for every rank on this host, else gloo. nccl: rank r on cuda:LOCAL_RANK "
+             "(an error without enough GPUs). gloo: CPU tensors, also on a GPU host")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxdp.cli import add_train_args
 
     parser = argparse.ArgumentParser(
         prog="torch_ref.train", description=__doc__.splitlines()[0],
         epilog="Launch N ranks with: torchrun --nproc_per_node N -m torch_ref.train ...")
     add_train_args(parser)
-    return config_from_args(parser.parse_args(argv))
+    add_backend_arg(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
+    from jaxdp.cli import config_from_args
+
+    return config_from_args(build_parser().parse_args(argv))
 
 
 def _user_errors():
     from jaxdp.data import DatasetError
 
-    return (TrainError, StrategyError, ckpt.CheckpointError, DatasetError)
+    return (TrainError, StrategyError, ckpt.CheckpointError, DatasetError, tdist.BackendError)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    cfg = parse_args(argv)
+    from jaxdp.cli import config_from_args
+
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
     is_main = True
     try:
-        tdist.init()
+        tdist.init(backend=args.backend)
         is_main = tdist.rank() == 0
         summary = train(cfg)
     except _user_errors() as e:
