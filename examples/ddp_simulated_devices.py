@@ -5,8 +5,9 @@ Takes:    about a minute on 2 CPU cores (most of it compiling).
 
 What it shows: how jaxdp's pieces fit together without the trainer: the numpy
 data pipeline hands out per-rank batches exactly as torch's DistributedSampler
-would, the DDP strategy shards them over a ("data",) mesh, and each step is one
-compiled shard_map program whose only collective is the bucketed all-reduce.
+would, the DDP strategy shards them (a batch is any pytree: here the classifier
+task's {"image", "label"}) over a ("data",) mesh, and each step is one compiled
+shard_map program whose only collective is the bucketed all-reduce.
 """
 
 import os
@@ -21,7 +22,8 @@ from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
 from jaxdp.optim import make_optimizer, make_schedule  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.train import init_variables  # noqa: E402
+from jaxdp.task import classifier  # noqa: E402
+from jaxdp.train import example_batch  # noqa: E402
 
 DEVICES, PER_DEVICE_BATCH, STEPS = 4, 16, 40
 
@@ -35,11 +37,12 @@ def main():
     model = create_model("resnet18", width=8, blocks=(1, 1, 1, 1))
     tx = make_optimizer("sgd", make_schedule("cosine", 0.1, STEPS), momentum=0.9, weight_decay=5e-4)
 
-    # 3. Strategy: DDP over a 1-D mesh. Params and optimizer state are replicated;
-    #    each device sees 1/4 of the batch; gradients are averaged as psum(g / N).
+    # 3. Strategy: DDP over a 1-D mesh, training the classifier task (torch's cross_entropy
+    #    on batches {"image", "label"}). Params and optimizer state are replicated; each
+    #    device sees 1/4 of the batch; gradients are averaged as psum(g / N).
     mesh = make_mesh(DEVICES)
-    ddp = create_strategy("ddp", model, tx, mesh)
-    state = ddp.init_state(init_variables(model, seed=0))
+    ddp = create_strategy("ddp", model, classifier(model), tx, mesh)
+    state = ddp.init(jax.random.key(0), example_batch(model))  # BN running stats: state.model_state
     print(f"mesh {dict(mesh.shape)}; params live on {len(state.params['fc']['kernel'].devices())} devices")
 
     # 4. Train: batches arrive as (replicas, per-replica batch, H, W, C); row r goes to device r.
@@ -49,7 +52,7 @@ def main():
                                    epoch=epoch, seed=0):
             images = batch.images.reshape(-1, *batch.images.shape[2:])
             labels = batch.labels.reshape(-1)
-            state, metrics = ddp.step(state, *ddp.shard_batch(images, labels))
+            state, metrics = ddp.step(state, ddp.shard_batch({"image": images, "label": labels}))
             step += 1
             if step % 10 == 0:
                 per_device = ", ".join(f"{x:.3f}" for x in jax.device_get(metrics["loss_per_device"]))

@@ -15,8 +15,10 @@ For every (N, strategy) row, in one invocation:
   ring formula (both from ``jaxdp.inspect``: ``measure``/``parse_collectives``).
 - **torch_ref**: the twin strategy (ddp -> DDP, zero1 -> ZeroRedundancyOptimizer,
   zero2/zero3 -> FSDP2, hsdp -> FSDP2 on a 2-D mesh, dp -> one process on the full batch
-  on CPU) in N gloo ranks started like ``torch_ref.launcher`` (forkserver, one intra-op
-  thread per rank). Each rank builds ``torch_ref.step_api.build(config)`` and times
+  on CPU) in N ranks started like ``torch_ref.launcher`` (forkserver, one intra-op
+  thread per rank, torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``: rank r on ``cuda:r``
+  under nccl; backend from ``torch_ref.dist.resolve_backend``, i.e. ``JAXDP_TORCH_BACKEND``
+  or nccl with a GPU per rank, else gloo). Each rank builds ``torch_ref.step_api.build(config)`` and times
   ``Runner.step(collect=False)`` itself: barrier, ``perf_counter``, step (which ends with an
   all-gather of the losses, so every rank has finished), ``perf_counter``. Rank 0's
   times are reported; process start, imports and wrapping are outside the timed steps.
@@ -37,7 +39,8 @@ XLA's parser silently stops at it, dropping every flag after it (the device coun
 record carries its environment: device kind, versions, those flags, CPU affinity and
 the load average before and after the row.
 
-GPU (CUDA host): the same command runs jaxdp on the GPUs and torch_ref on NCCL, default
+GPU (CUDA host): the same command runs jaxdp on the GPUs and torch_ref on NCCL (rank r on
+``cuda:r``), default
 dtype bfloat16, and adds MFU = images/s x FLOP per image / (N x peak), with FLOP per
 trained image from ResNet-18 CIFAR (3.33 GFLOP at width 64, scaled by (width/64)^2) and
 the peak from ``PEAK_TFLOPS`` by device name. This path has not been run on a GPU yet.
@@ -226,27 +229,27 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
     from jaxdp.strategies import create_strategy
-    from jaxdp.train import init_variables
+    from jaxdp.task import classifier
 
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"])
     tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
     options = {"mesh_shape": _mesh_shape(name, n)} if name == "hsdp" else {}
-    strategy = create_strategy(name, net, tx, make_mesh(n), **options)
-    variables = init_variables(strategy.model, 0, images.shape[1:])
-    host_x = np.asarray(images, np.float32)
+    # zero3/hsdp shard per FSDP unit (the ResNet's blocks), as torch_ref's fully_shard does.
+    strategy = create_strategy(name, net, classifier(net), tx, make_mesh(n), **ins.fsdp_options(name, net, options))
+    host = {"image": np.asarray(images, np.dtype(net.dtype)), "label": np.asarray(labels, np.int32)}
+    state = strategy.init(jax.random.key(0), host)  # sharded: each device builds only its own part
     rec = {"framework": "jaxdp"}
     # Model-state bytes measured vs the ZeRO formula (traced, no compile).
     try:
-        rep = ins.measure(strategy, variables, host_x, labels, compile=False)
+        rep = ins.measure(strategy, host, state=state, compile=False)
         rec.update(psi=rep["psi"], state=rep["state"], traffic_formula_bytes=rep["traffic_formula_bytes"])
-    except Exception as e:  # a strategy inspect does not know (dp, async): say so, go on
+    except Exception as e:  # a strategy inspect does not know: say so, go on
         rec["state_error"] = f"{type(e).__name__}: {e}"
-    state = strategy.init_state(variables)
-    x, y = strategy.shard_batch(host_x.astype(jax.tree_util.tree_leaves(state.params)[0].dtype), labels)
+    batch = strategy.shard_batch(host)
 
     t0 = time.perf_counter()
     try:
-        compiled = strategy.lower_step(state, x, y).compile()
+        compiled = strategy.lower_step(state, batch).compile()
         run = compiled
         rec["memory"] = ins.compiled_memory(compiled)
         m = rec["memory"]
@@ -256,17 +259,17 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     except Exception as e:  # no AOT path: the first call compiles (and runs one step)
         rec["compile_error"] = f"{type(e).__name__}: {e}"
         run = strategy.step
-        state, out = run(state, x, y)
+        state, out = run(state, batch)
         jax.block_until_ready((state, out))
         rec["compile_s"] = time.perf_counter() - t0
         rec["compile_s_includes_one_step"] = True
     for _ in range(cfg["warmup"]):
-        state, out = run(state, x, y)
+        state, out = run(state, batch)
     jax.block_until_ready((state, out) if cfg["warmup"] else state)
     times = []
     for _ in range(cfg["steps"]):
         t = time.perf_counter()
-        state, out = run(state, x, y)
+        state, out = run(state, batch)
         jax.block_until_ready((state, out))
         times.append(time.perf_counter() - t)
     rec["step_times_s"] = times
@@ -277,23 +280,26 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
 # ----------------------------------------------------------------------------- torch_ref side
 
 def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.ndarray, labels: np.ndarray,
-                  warmup: int, steps: int, timeout_s: float) -> None:
+                  warmup: int, steps: int, timeout_s: float, backend: str = "gloo") -> None:
     """One rank: build the Runner, run warm-up steps, time ``steps`` steps (see module docstring)."""
     import pickle
     import traceback
 
     code = 1
     try:
-        os.environ["LOCAL_RANK"] = str(rank)  # cuda:rank on a GPU host; unused on CPU
+        from torch_ref.launcher import rank_env
+
+        os.environ.update(rank_env(rank, world, backend))  # torchrun's variables: cuda:rank on nccl
         import torch
 
         torch.set_num_threads(1)
         from torch_ref import dist as tdist
         from torch_ref.step_api import build
 
-        tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"), rank=rank, world_size=world)
+        tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"), rank=rank, world_size=world,
+                   backend=backend)
         runner = build(config, None)
-        cuda = torch.cuda.is_available()
+        cuda = tdist.device().type == "cuda"  # gloo runs on the CPU, GPUs or not
         x, y = images[rank], labels[rank]
         for _ in range(warmup):
             runner.step(x, y, collect=False)
@@ -336,6 +342,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     import tempfile
 
     from torch_ref import launcher
+    from torch_ref.dist import resolve_backend
 
     config = {"strategy": TORCH_TWIN[name], "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
               "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
@@ -347,6 +354,8 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
         world = 1
         images = images.reshape(1, -1, *images.shape[2:])
         labels = labels.reshape(1, -1)
+    # Resolved here, not in the ranks: a forkserver started earlier has another environment.
+    backend = resolve_backend(cfg.get("torch_backend"), world)
     ctx = launcher._context()
     workdir = tempfile.mkdtemp(prefix="jaxdp_bench_torch_")
     procs = []
@@ -354,7 +363,8 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     try:
         for r in range(world):
             p = ctx.Process(target=_torch_worker, daemon=True,
-                            args=(r, world, workdir, config, images, labels, cfg["warmup"], cfg["steps"], timeout_s))
+                            args=(r, world, workdir, config, images, labels, cfg["warmup"], cfg["steps"], timeout_s,
+                                  backend))
             p.start()
             procs.append(p)
         launcher._wait(procs, workdir, timeout_s)

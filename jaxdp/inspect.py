@@ -13,7 +13,7 @@ most of it compiling the step; ``--no-compile`` skips that part):
    ========  ======  ======  ======  ==========================
    ddp, dp   pΨ      pΨ      KΨ      powersgd: pΨ error + p·ΣQ
    async     pΨ      pΨ      KΨ      k·pΨ (the last k params)
-   zero1     pΨ      pΨ      KΨ/N
+   zero1     pΨ      pΨ      KΨ/N    powersgd: as ddp
    zero2     pΨ      pΨ/N    KΨ/N
    zero3     pΨ/N    pΨ/N    KΨ/N
    hsdp      pΨ/S    pΨ/S    KΨ/S    (S devices per shard group)
@@ -22,16 +22,20 @@ most of it compiling the step; ``--no-compile`` skips that part):
    - params, optimizer state and ``extra`` (async's history, PowerSGD's error
      feedback and Qs): the live arrays, ``addressable_shards[0].data.nbytes``
      summed over leaves (device 0's share);
-   - grads: the averaged gradient each device keeps for the update (ZeRO-1's
-     is DDP's full all-reduce result, ZeRO-2/3's only the device's chunk; dp's
-     the local gradient device 0 sums into). It lives only inside the step, so
-     there is no array to measure: we *trace* the strategy's gradient code
-     (``jax.eval_shape``, no compile) and sum the per-device shapes it produces;
-   - padding: sharded tensors are flat and padded to a multiple of the shard
-     count (``strategies/flat.py``), so a sharded part holds ``Ψ_pad/N`` with
-     ``Ψ_pad = Σ ceil(size/N)·N`` (at most N-1 extra per tensor). The
-     optimizer state also holds scalar step counts (4 bytes each, replicated).
-     Measured bytes equal the padded formula plus those scalars exactly.
+   - grads: the averaged gradient each device keeps for the update. It lives only
+     inside the step, so there is no array to measure: we *trace* the strategy's own
+     step (``jax.eval_shape``, no compile) and read the per-device shapes of what its
+     all-reduce returns (ddp, async, zero1: the full average, which ZeRO-1 then cuts
+     to its chunk) or, for a strategy without one, of the gradient it hands the
+     optimizer (zero2/3, hsdp: this device's chunk; dp: device 0's sum);
+   - padding: each sharded tensor is cut along one of its own dimensions
+     (``strategies/layout.py``): the largest one N divides, or, if none does, its
+     largest dimension zero-padded to a multiple of N. So a sharded part holds
+     ``Ψ_pad/N`` with ``Ψ_pad = Σ prod(padded_shape(shape, N))`` over the tensors:
+     only a tensor with no dimension divisible by N is padded (ResNet-18 at N = 8:
+     only the fc bias, 10 -> 16). The optimizer state also holds scalar step counts
+     (4 bytes each, replicated). Measured bytes equal the padded formula plus those
+     scalars exactly.
 
 2. **Compiled memory per device** of the training step: ``memory_analysis()``
    of ``strategy.lower_step(...).compile()`` (argument, output, alias, temp).
@@ -53,17 +57,23 @@ most of it compiling the step; ``--no-compile`` skips that part):
    The same count over the HLO before XLA's passes, ``ring_bytes_as_written``,
    is printed where it differs: XLA:CPU promotes a bf16 all-reduce to f32.
 
-   Formulas, in pΨ bytes (c = bytes per communicated value: p, or 2 with
-   ``--compress bf16|fp16``): ddp and async 2(N-1)/N (·c/p), also with
-   ``--allreduce ring`` (2(N-1) ppermutes of a 1/N chunk per bucket); zero2
-   2(N-1)/N; zero1 3(N-1)/N (all-reduce + all-gather, as torch's
-   ZeroRedundancyOptimizer); zero3 3(N-1)/N (forward gather, backward
-   re-gather, reduce-scatter); hsdp 3(S-1)/S + 2(R-1)/R·1/S; dp
-   (N-1) + ceil(log2 N) (a gather to device 0 by N-1 permutes, a binomial
-   broadcast tree); powersgd, compressed branch: 2(N-1)/N over the
-   uncompressed tensors plus (rows + cols)·r per compressed one. The measured
-   total also holds the small BN-buffer broadcast and metric reductions every
-   strategy does.
+   Formulas, in bytes (c = bytes per communicated gradient value: p, or 2 with
+   ``--compress bf16|fp16``): ddp and async 2(N-1)/N·cΨ, also with
+   ``--allreduce ring`` (2(N-1) ppermutes of a 1/N chunk per bucket); zero1
+   (N-1)/N·(2cΨ + pΨ_pad) (DDP's all-reduce + an all-gather of the updated
+   chunks, as torch's ZeroRedundancyOptimizer); zero2 2(N-1)/N·pΨ_pad
+   (reduce-scatter + all-gather); zero3 (N-1)/N·p·(3Ψ_pad - Ψ_root): every FSDP
+   unit's params are gathered in forward and again in backward and every gradient
+   reduce-scattered once, but the root unit (the params outside every unit, e.g.
+   the ResNet's stem and fc with ``units=fsdp_units(model)``; the whole model
+   without units) is gathered once per step and kept through backward, as FSDP2
+   keeps its root; hsdp the same within the S-device shard groups plus
+   2(R-1)/R·pΨ_pad/S across the R replicas; dp (N-1) + ceil(log2 N) times pΨ (a
+   gather to device 0 by N-1 permutes, a binomial broadcast tree); powersgd,
+   compressed branch: 2(N-1)/N·p over the uncompressed tensors plus
+   (rows + cols)·r per compressed one (zero1: plus its all-gather). Ψ_pad and
+   Ψ_root are padded for the shard count. The measured total also holds the small
+   BN-buffer broadcast and metric reductions every strategy does.
 
 ``inspect_strategy(...)`` returns all of it as a dict (``--json`` prints that).
 """
@@ -86,10 +96,12 @@ SHARDED = {
     "zero3": ("params", "grads", "opt"),
     "hsdp": ("params", "grads", "opt"),
 }
-# Ring traffic per step in units of (param bytes) x (G-1)/G for the shard group G.
+# Ring traffic per step in units of (param bytes) x (G-1)/G for the shard group G
+# (zero3/hsdp: less the root unit's second gather, see ``traffic_formula``).
 TRAFFIC = {"ddp": 2, "async": 2, "zero1": 3, "zero2": 2, "zero3": 3, "hsdp": 3}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 COMPRESSED_BYTES = {"bf16": 2, "fp16": 2}  # bytes per value on the wire with DDP's low-precision hooks
+FSDP_STRATEGIES = ("zero3", "hsdp")  # the ones built with the model's FSDP units
 
 
 class InspectError(ValueError):
@@ -109,11 +121,27 @@ def param_count(model) -> int:
 
 
 def padded_count(params, n: int) -> int:
-    from jaxdp.strategies.flat import padded_size
-
+    """Ψ_pad: params counted as sharded ``n`` ways (``layout.padded_shape``: only a tensor with no
+    dimension divisible by ``n`` grows, along its largest dimension)."""
     import jax
 
-    return int(sum(padded_size(int(np.prod(x.shape)), n) for x in jax.tree_util.tree_leaves(params)))
+    from jaxdp.strategies.layout import padded_shape
+
+    return int(sum(np.prod(padded_shape(np.shape(x), n), dtype=np.int64) for x in jax.tree_util.tree_leaves(params)))
+
+
+def root_params(strategy, params):
+    """The params outside every FSDP unit of a ZeRO-3/HSDP strategy (gathered once per step):
+    the whole tree when it has no units; None for other strategies."""
+    import jax
+
+    from jaxdp.strategies.buckets import leaf_path
+    from jaxdp.strategies.units import in_unit
+
+    if strategy.name not in FSDP_STRATEGIES:
+        return None
+    units = strategy.unit_paths or []
+    return [x for path, x in jax.tree_util.tree_leaves_with_path(params) if not in_unit(leaf_path(path), units)]
 
 
 def device_bytes(tree) -> int:
@@ -139,47 +167,72 @@ def state_bytes(state, strategy, params) -> dict:
     }
 
 
-def kept_grad_bytes(strategy, state, images, labels) -> Optional[int]:
+class _SyncSpy:
+    """A strategy's ``sync`` (``sync.AllReduce``) that records the bytes of what it returns."""
+
+    def __init__(self, sync, seen: dict):
+        self._sync, self._seen = sync, seen
+
+    def __getattr__(self, name):
+        return getattr(self._sync, name)
+
+    def __call__(self, *args, **kwargs):
+        grads, state = self._sync(*args, **kwargs)
+        self._seen.setdefault("sync", _nbytes(grads))
+        return grads, state
+
+
+def _nbytes(tree) -> int:
+    import jax
+
+    return int(sum(g.size * g.dtype.itemsize for g in jax.tree_util.tree_leaves(tree)))
+
+
+def kept_grad_bytes(strategy, state, batch) -> int:
     """Per-device bytes of the averaged gradient the strategy keeps (traced, not run).
 
-    ZeRO strategies expose ``averaged_grads``; DDP's (and async's) is its
-    ``all_reduce`` of the local gradient; dp's the local gradient (pmap). Other
-    strategies: None.
+    The strategy's own step is traced per device (``jax.eval_shape``) with its ``tx`` and
+    ``sync`` wrapped to record shapes: the output of its all-reduce if it calls one (ddp,
+    async, zero1), else the gradient it hands ``tx.update`` (zero2/3, hsdp: the chunk;
+    dp: device 0's sum, in ``pmap``'s per-device shapes).
     """
     import jax
     import jax.numpy as jnp
+    import optax
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp.strategies.base import local_grads
+    seen = {}
+    tx, sync = strategy.tx, getattr(strategy, "sync", None)
 
-    def grads_of(state, x, y):
-        if hasattr(strategy, "averaged_grads"):
-            return strategy.averaged_grads(state, x, y)[1]
-        params = state.params
-        if strategy.name != "dp":  # pmap hands each device its own params already
-            params = jax.lax.pcast(params, strategy.axis, to="varying")
-        grads = local_grads(strategy.model, params, state.batch_stats, x, y, strategy.accum_steps)[1]
-        return strategy.all_reduce(grads, state.extra, state.step)[0] if hasattr(strategy, "all_reduce") else grads
+    def update(grads, opt_state, params=None, **extra_args):
+        seen.setdefault("update", _nbytes(grads))
+        return tx.update(grads, opt_state, params, **extra_args)
 
-    def nbytes(tree):
-        return sum(g.size * g.dtype.itemsize for g in jax.tree_util.tree_leaves(tree))
-
-    if hasattr(strategy, "learn_parameter_order"):
-        strategy.learn_parameter_order(images)  # bucketed strategies read it at the first step
-    if strategy.name == "dp":
-        shapes = jax.eval_shape(jax.pmap(grads_of, axis_name=strategy.axis, devices=strategy.devices),
-                                state, images, labels)
-        return int(nbytes(shapes) // strategy.num_devices)  # pmap's leading device axis
-    seen = []
-
-    def probe(state, x, y):
-        seen.append(nbytes(grads_of(state, x, y)))
+    def probe(state, batch):
+        jax.tree_util.tree_leaves(step(state, batch))  # traced for its shapes only
         return jnp.zeros(())
 
-    batch = P(strategy.batch_axes)
-    jax.eval_shape(jax.shard_map(probe, mesh=strategy.mesh, in_specs=(strategy.state_specs(state), batch, batch),
-                                 out_specs=P()), state, images, labels)
-    return int(seen[0])
+    strategy.tx = optax.GradientTransformation(tx.init, update)
+    if sync is not None:
+        strategy.sync = _SyncSpy(sync, seen)
+    try:
+        if strategy.name == "dp":  # pmap hands each device its own state and batch
+            step = strategy._device_step
+            jax.eval_shape(jax.pmap(probe, axis_name=strategy.axis, devices=strategy.devices), state, batch)
+        else:
+            step = strategy.local_step
+            jax.eval_shape(jax.shard_map(probe, mesh=strategy.mesh, out_specs=P(), check_vma=strategy.check_vma,
+                                         in_specs=(strategy.state_specs(state), P(strategy.batch_axes))),
+                           state, batch)
+    finally:
+        strategy.tx = tx
+        if sync is not None:
+            strategy.sync = sync
+    return seen.get("sync", seen["update"])
+
+
+def _powersgd(strategy):
+    return getattr(getattr(strategy, "sync", None), "powersgd", None)
 
 
 def extra_formula(strategy, params, p: int) -> int:
@@ -188,8 +241,8 @@ def extra_formula(strategy, params, p: int) -> int:
 
     from jaxdp.compression import leaf_name, matrix_shape
 
-    psi = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    powersgd = getattr(strategy, "powersgd", None)
+    psi = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    powersgd = _powersgd(strategy)
     if powersgd is not None:
         shapes = {leaf_name(path): x.shape for path, x in jax.tree_util.tree_leaves_with_path(params)}
         q = sum(matrix_shape(shapes[name])[1] * r for name, r in powersgd.plan(params).items())
@@ -207,20 +260,24 @@ def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int
 
 
 def traffic_formula(name: str, psi: int, psi_pad: int, n: int, p: int, mesh_shape=None,
-                    wire_bytes: Optional[int] = None) -> Optional[float]:
+                    wire_bytes: Optional[int] = None, root_pad: int = 0) -> Optional[float]:
     """Ring bytes each device sends per step (see the module docstring). ``wire_bytes``:
-    bytes per communicated gradient value when DDP compresses them (default p)."""
+    bytes per communicated gradient value when an all-reduce hook compresses them (default
+    p). ``root_pad``: zero3/hsdp's root-unit params (padded count), gathered once, not twice."""
+    c = wire_bytes or p
     if name == "hsdp":
         r, s = mesh_shape
-        return 3 * (s - 1) / s * p * psi_pad + 2 * (r - 1) / r * p * psi_pad / s
+        return (s - 1) / s * p * (3 * psi_pad - root_pad) + 2 * (r - 1) / r * p * psi_pad / s
     if name == "dp":
         return (n - 1 + math.ceil(math.log2(n))) * p * psi
     if name not in TRAFFIC or n == 1:
         return 0.0 if name in TRAFFIC else None
-    if name == "zero1":  # all-reduce of the gradient, all-gather of the padded chunks
-        return (n - 1) / n * p * (2 * psi + psi_pad)
+    if name == "zero1":  # DDP's all-reduce of the gradient, all-gather of the padded chunks
+        return (n - 1) / n * (2 * c * psi + p * psi_pad)
     if name in ("ddp", "async"):
-        return 2 * (n - 1) / n * (wire_bytes or p) * psi
+        return 2 * (n - 1) / n * c * psi
+    if name == "zero3":  # units: gather, re-gather; root: one gather; every gradient: one reduce-scatter
+        return (n - 1) / n * p * (3 * psi_pad - root_pad)
     return TRAFFIC[name] * (n - 1) / n * p * psi_pad
 
 
@@ -231,11 +288,11 @@ def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
 
     from jaxdp.compression import leaf_name, matrix_shape
 
-    plan = strategy.powersgd.plan(params)
+    plan = _powersgd(strategy).plan(params)
     values = 0
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         name = leaf_name(path)
-        values += sum(matrix_shape(x.shape)) * plan[name] if name in plan else x.size
+        values += sum(matrix_shape(x.shape)) * plan[name] if name in plan else int(np.prod(x.shape))
     return 2 * (n - 1) / n * p * values
 
 
@@ -454,14 +511,15 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
                      mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0) -> dict:
     """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
     starts) for a freshly initialised model, and ``measure`` it. ``options``: the strategy's
-    own (``allreduce``, ``compress``, ``powersgd_rank``, ``staleness``)."""
+    own (``allreduce``, ``compress``, ``powersgd_rank``, ``staleness``); zero3 and hsdp get
+    the model's FSDP units (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``."""
     import jax
 
     from jaxdp.mesh import make_mesh
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
     from jaxdp.strategies import create_strategy
-    from jaxdp.train import init_variables
+    from jaxdp.task import classifier
 
     if batch_per_device < 1 or image_size < 1:
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
@@ -472,16 +530,29 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     lr = 0.1 if optimizer == "sgd" else 1e-3
     tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
     options = dict(options or {}, **({"mesh_shape": mesh_shape} if name == "hsdp" else {}))
-    strategy = create_strategy(name, net, tx, make_mesh(n), **options)
-    variables = init_variables(strategy.model, seed, (image_size, image_size, 3))
+    strategy = create_strategy(name, net, classifier(net), tx, make_mesh(n), **fsdp_options(name, net, options))
     rng = np.random.default_rng(seed)
     global_batch = batch_per_device * strategy.num_devices
-    images = rng.normal(size=(global_batch, image_size, image_size, 3))
-    labels = rng.integers(0, net.num_classes, global_batch).astype(np.int32)
-    report = measure(strategy, variables, images, labels, compile=compile)
-    report.update(model=model, width=width, blocks=list(net.stage_sizes), dtype=dtype, optimizer=optimizer,
-                  options={k: v for k, v in options.items() if v is not None})
+    batch = {"image": rng.normal(size=(global_batch, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
+             "label": rng.integers(0, net.num_classes, global_batch).astype(np.int32)}
+    report = measure(strategy, batch, seed=seed, compile=compile)
+    report.update(model=model, width=width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
+                  optimizer=optimizer, options={k: v for k, v in options.items() if v is not None})
+    if name in FSDP_STRATEGIES:
+        report.update(fsdp_units=[getattr(u, "__name__", u) for u in strategy.units.classes + strategy.units.patterns],
+                      fsdp_unit_count=len(strategy.unit_paths))
     return report
+
+
+def fsdp_options(name: str, model, options: Optional[dict] = None) -> dict:
+    """``options`` plus, for zero3/hsdp, ``units=fsdp_units(model)`` (unless given): the model's
+    own FSDP units, as torch_ref's FSDP2 wraps them."""
+    from jaxdp.models import fsdp_units
+
+    options = dict(options or {})
+    if name in FSDP_STRATEGIES and "units" not in options:
+        options["units"] = fsdp_units(model)
+    return options
 
 
 def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> None:
@@ -508,36 +579,45 @@ def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> N
             f"by count - 1); use --batch-per-device 2 or a larger --image-size")
 
 
-def measure(strategy, variables, images, labels, *, compile: bool = True) -> dict:
-    """Everything in the module docstring, for a built strategy, initial variables and a host batch."""
+def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compile: bool = True) -> dict:
+    """Everything in the module docstring, for a built strategy and a host batch (a pytree of
+    global numpy arrays, e.g. ``{"image", "label"}``). The state measured: ``state`` if given
+    (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
+    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.init`` (sharded, from ``seed``)."""
     import jax
 
-    state = strategy.init_state(variables)
-    params = variables["params"]
+    strategy.learn_structure(batch)
+    if state is None:
+        state = strategy.init(jax.random.key(seed), batch) if variables is None else strategy.init_state(variables)
+    params = strategy.shapes  # the full params' shapes and dtypes
     leaves = jax.tree_util.tree_leaves(params)
-    psi = int(sum(x.size for x in leaves))
+    psi = int(sum(np.prod(x.shape) for x in leaves))
     p = int(np.dtype(leaves[0].dtype).itemsize)
-    shards = strategy.mesh.shape[strategy.axis]
+    shards = strategy.shards
     psi_pad = padded_count(params, shards)
+    root = root_params(strategy, params)
+    root_pad = padded_count(root, shards) if root is not None else None
     # K from the optimizer itself: its per-parameter state as DDP holds it.
     per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
     k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
-    images, labels = strategy.shard_batch(np.asarray(images, leaves[0].dtype), np.asarray(labels, np.int32))
+    images = np.asarray(jax.tree_util.tree_leaves(batch)[0])
+    sharded = strategy.shard_batch(batch)
 
     measured = state_bytes(state, strategy, params)
-    measured["grads"] = kept_grad_bytes(strategy, state, images, labels)
+    measured["grads"] = kept_grad_bytes(strategy, state, sharded)
     formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
     mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.devices.ndim == 2 else None
     report = {
         "strategy": strategy.name, "devices": strategy.num_devices, "mesh_shape": mesh_shape, "shards": shards,
-        "psi": psi, "psi_padded": psi_pad, "param_bytes": p, "opt_bytes_per_param": k,
-        # dp's batch carries a leading device axis: count images, not rows.
-        "batch_per_device": int(np.prod(images.shape[:-3])) // strategy.num_devices, "image_size": images.shape[-2],
+        "psi": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
+        "opt_bytes_per_param": k,
+        "batch_per_device": int(images.shape[0]) // strategy.num_devices, "image_size": images.shape[-2],
         "state": {"measured": measured, "formula": formula["exact"], "formula_padded": formula["padded"]},
-        "traffic_formula_bytes": strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape),
+        "traffic_formula_bytes": strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape,
+                                                          root_pad or 0),
     }
     if compile:
-        lowered = strategy.lower_step(state, images, labels)
+        lowered = strategy.lower_step(state, sharded)
         compiled = lowered.compile()
         report["memory"] = compiled_memory(compiled)
         report["collectives"] = parse_collectives(compiled.as_text(), strategy.num_devices)
@@ -548,13 +628,17 @@ def measure(strategy, variables, images, labels, *, compile: bool = True) -> dic
     return report
 
 
-def strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape) -> Optional[float]:
-    """``traffic_formula`` with the strategy's DDP options (compression) taken into account."""
+def strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape, root_pad: int = 0) -> Optional[float]:
+    """``traffic_formula`` with the strategy's all-reduce options (compression) taken into account."""
     n = strategy.num_devices
-    if getattr(strategy, "powersgd", None) is not None:
-        return powersgd_traffic_formula(strategy, params, n, p) if n > 1 else 0.0
-    wire = COMPRESSED_BYTES.get(getattr(strategy, "compress", None))
-    return traffic_formula(strategy.name, psi, psi_pad, n, p, mesh_shape, wire_bytes=wire)
+    sync = getattr(strategy, "sync", None)
+    if _powersgd(strategy) is not None:
+        if n == 1:
+            return 0.0
+        gather = (n - 1) / n * p * psi_pad if strategy.name == "zero1" else 0.0  # ZeRO-1's chunks, after the update
+        return powersgd_traffic_formula(strategy, params, n, p) + gather
+    wire = COMPRESSED_BYTES.get(getattr(sync, "compress", None))
+    return traffic_formula(strategy.name, psi, psi_pad, n, p, mesh_shape, wire_bytes=wire, root_pad=root_pad)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -565,15 +649,23 @@ def _mb(x) -> str:
 
 def _formula_name(r: dict) -> str:
     options = r.get("options", {})
-    if r["strategy"] == "hsdp":
-        return "3Ψp(S-1)/S + 2(Ψp/S)(R-1)/R"
-    if r["strategy"] == "dp":
+    name = r["strategy"]
+    gather = " + (N-1)/N·pΨ_pad all-gather" if name == "zero1" else ""
+    if name == "hsdp":
+        return "(3Ψ_pad - Ψ_root)p(S-1)/S + 2(Ψ_pad p/S)(R-1)/R"
+    if name == "dp":
         return "(N-1 + ceil(log2 N))Ψp: gather to device 0, broadcast tree"
     if options.get("compress") == "powersgd":
-        return "compressed step: 2(N-1)/N·p·(uncompressed + Σ(rows+cols)·r)"
+        return "compressed step: 2(N-1)/N·p·(uncompressed + Σ(rows+cols)·r)" + gather
     if options.get("compress") in COMPRESSED_BYTES:
-        return f"2Ψ·{COMPRESSED_BYTES[options['compress']]}B(N-1)/N, {options['compress']} on the wire"
-    return f"{TRAFFIC[r['strategy']]}Ψp(N-1)/N" if r["strategy"] in TRAFFIC else "unknown"
+        return f"2Ψ·{COMPRESSED_BYTES[options['compress']]}B(N-1)/N, {options['compress']} on the wire" + gather
+    if name == "zero3":
+        return "(3Ψ_pad - Ψ_root)p(N-1)/N"
+    if name == "zero1":
+        return "(2Ψ + Ψ_pad)p(N-1)/N"
+    if name == "zero2":
+        return "2Ψ_pad·p(N-1)/N"
+    return f"{TRAFFIC[name]}Ψp(N-1)/N" if name in TRAFFIC else "unknown"
 
 
 def format_report(r: dict) -> str:
@@ -585,7 +677,9 @@ def format_report(r: dict) -> str:
         f"{r['strategy']} on {r['devices']} devices{mesh}{what}{options} "
         f"(p = {r['param_bytes']} B, K = {r['opt_bytes_per_param']} B per param)",
         f"Ψ = {r['psi']:,} params; padded for {r['shards']} shards: {r['psi_padded']:,} "
-        f"(+{r['psi_padded'] - r['psi']:,})",
+        f"(+{r['psi_padded'] - r['psi']:,})"
+        + (f"; root unit (outside every FSDP unit, gathered once per step): {r['psi_root_padded']:,}"
+           if r.get("psi_root_padded") is not None else ""),
         "",
         f"{'bytes per device':<22}{'measured':>16}{'formula':>16}{'formula (padded)':>18}{'meas/formula':>14}",
     ]
@@ -655,9 +749,9 @@ def add_inspect_args(p) -> None:
     p.add_argument("--strategy", default="zero3", help="ddp | zero1 | zero2 | zero3 | hsdp | dp | async")
     p.add_argument("--devices", type=int, default=8, help="devices (simulated on CPU)")
     p.add_argument("--mesh-shape", type=_ints, default=None, help="hsdp: replicas,shards")
-    p.add_argument("--allreduce", default=None, help="ddp/async: psum | ring")
-    p.add_argument("--compress", default=None, help="ddp: bf16 | fp16 | powersgd")
-    p.add_argument("--powersgd-rank", type=int, default=None, help="ddp --compress powersgd: matrix rank r")
+    p.add_argument("--allreduce", default=None, help="ddp/async/zero1: psum | ring")
+    p.add_argument("--compress", default=None, help="ddp/zero1: bf16 | fp16 | powersgd (async: bf16 | fp16)")
+    p.add_argument("--powersgd-rank", type=int, default=None, help="ddp/zero1 --compress powersgd: matrix rank r")
     p.add_argument("--staleness", type=int, default=None, help="async: staleness bound k")
     p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50")
     p.add_argument("--width", type=int, default=64, help="channels of the first stage (64 = torchvision)")
@@ -673,6 +767,8 @@ def add_inspect_args(p) -> None:
 
 
 def run(args) -> int:
+    from jaxdp.strategies import StrategyError
+
     options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness")
                if getattr(args, k) is not None}
     try:
@@ -681,7 +777,7 @@ def run(args) -> int:
             optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
             image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
         )
-    except InspectError as e:
+    except (InspectError, StrategyError) as e:  # e.g. --compress on zero2/3: one line, exit 2
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -27,11 +27,12 @@ Where each is patched, per strategy:
 ================  ==============================================================================
 same_padding      ``resnet._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
 biased_var        ``resnet.BatchNorm``: every strategy
-missing_1_over_n  ddp, async, zero1: ``DDP.reduce_bucket`` (their bucketed all-reduce);
-                  zero2: ``ZeRO2.reduce_scatter``; zero3: ``ZeRO3.averaged_grads``;
-                  hsdp: ``HSDP.averaged_grads``; dp: ``dp.gather_to_first`` (the sum on device 0)
+missing_1_over_n  ddp, async, zero1: ``sync.AllReduce.reduce_bucket`` (the bucketed all-reduce they
+                  all compose); zero2: ``ZeRO.reduce_scatter``; zero3, hsdp: ``ZeRO.average_chunks``
+                  (the division after the gathers' transposes reduce-scattered the grads);
+                  dp: ``dp.gather_to_first`` (the sum on device 0)
 wrong_shard_bn    ddp, async, zero1, zero2, zero3, hsdp: ``ddp_buffers`` in every strategy module
-                  that imported it (whichever module's step runs); dp: ``dp.local_grads``'s stats
+                  that imported it (whichever module's step runs); dp: ``dp.local_grads``'s model state
 ================  ==============================================================================
 
 The 1/N bugs scale a reduction's input or output by N rather than rewrite it, so they
@@ -96,8 +97,8 @@ def _patched(obj, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
 
 def _modules_calling_ddp_buffers() -> List[Any]:
     """Every ``jaxdp.strategies`` module holding base's ``ddp_buffers`` (base included):
-    a step calls it through its own module's name, and which module's step runs can
-    change (e.g. async with staleness 0 runs DDP's ``local_step``)."""
+    a step calls it through its own module's name (ddp, async_ps, zero), and a new
+    strategy module is covered without a new row."""
     import jaxdp.strategies as package
     from jaxdp.strategies import base
 
@@ -166,13 +167,13 @@ def _fed_n_times(original):
     return method
 
 
-def _undivided_averaged_grads(original):
-    """``averaged_grads`` with its 1/N undone: each device keeps the SUM of the gradients."""
-    def averaged_grads(self, *args, **kwargs):
-        loss, grads, batch_stats, correct = original(self, *args, **kwargs)
-        return loss, _times_n(grads, self.num_devices), batch_stats, correct  # BUG: no 1/N
+def _bucket_fed_n_times(original):
+    """``AllReduce.reduce_bucket(self, grads, axis, n)`` fed N x its gradients: it sums.
+    BUG: psum(g), not psum(g / N)."""
+    def reduce_bucket(self, grads, axis, n):
+        return original(self, [g * n for g in grads], axis, n)
 
-    return averaged_grads
+    return reduce_bucket
 
 
 def _unweighted_gather_to_first(original):
@@ -193,19 +194,19 @@ def _from_last_device(tree, axis):
 
 def _last_device_buffers(original):
     """``ddp_buffers`` that keeps the last device's running stats. BUG: DDP keeps rank 0's."""
-    def ddp_buffers(batch_stats, axis, sync_bn):
-        return batch_stats if sync_bn else _from_last_device(batch_stats, axis)
+    def ddp_buffers(model_state, axis, sync_bn):
+        return model_state if sync_bn else _from_last_device(model_state, axis)
 
     return ddp_buffers
 
 
 def _last_chunk_stats(original):
-    """dp's ``local_grads`` handing on the last chunk's BN stats (device 0 broadcasts them)."""
+    """dp's ``local_grads`` handing on the last chunk's model state (BN stats; device 0 broadcasts them)."""
     from jaxdp.mesh import DATA_AXIS
 
     def local_grads(*args, **kwargs):
-        loss, grads, batch_stats, correct = original(*args, **kwargs)
-        return loss, grads, _from_last_device(batch_stats, DATA_AXIS), correct  # BUG: not chunk 0's
+        loss, grads, model_state, metrics = original(*args, **kwargs)
+        return loss, grads, _from_last_device(model_state, DATA_AXIS), metrics  # BUG: not chunk 0's
 
     return local_grads
 
@@ -247,7 +248,8 @@ class Bug:
         return self.patches[cfg.strategy].applied()
 
 
-DDP_REDUCE_BUCKET = Patch(["jaxdp.strategies.ddp:DDP"], "reduce_bucket", _fed_n_times)
+ALLREDUCE_BUCKET = Patch(["jaxdp.strategies.sync:AllReduce"], "reduce_bucket", _bucket_fed_n_times)
+STAGE3_DIVISION = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _fed_n_times)
 DDP_BUFFERS = Patch(_modules_calling_ddp_buffers, "ddp_buffers", _last_device_buffers)
 
 BUGS: Dict[str, Bug] = {b.name: b for b in (
@@ -257,10 +259,9 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         _everywhere(Patch(["jaxdp.models.resnet"], "BatchNorm", _biased_var_batchnorm)), 0, "buffers",
         "running_var"),
     Bug("missing_1_over_n", "gradient reduction without 1/N", {
-        "ddp": DDP_REDUCE_BUCKET, "async": DDP_REDUCE_BUCKET, "zero1": DDP_REDUCE_BUCKET,
-        "zero2": Patch(["jaxdp.strategies.zero2:ZeRO2"], "reduce_scatter", _fed_n_times),
-        "zero3": Patch(["jaxdp.strategies.zero3:ZeRO3"], "averaged_grads", _undivided_averaged_grads),
-        "hsdp": Patch(["jaxdp.strategies.hsdp:HSDP"], "averaged_grads", _undivided_averaged_grads),
+        "ddp": ALLREDUCE_BUCKET, "async": ALLREDUCE_BUCKET, "zero1": ALLREDUCE_BUCKET,
+        "zero2": Patch(["jaxdp.strategies.zero:ZeRO"], "reduce_scatter", _fed_n_times),
+        "zero3": STAGE3_DIVISION, "hsdp": STAGE3_DIVISION,
         "dp": Patch(["jaxdp.strategies.dp"], "gather_to_first", _unweighted_gather_to_first),
     }, 0, "grads", requires=_needs_several_devices),
     Bug("wrong_shard_bn", "BN running stats from the last device", {

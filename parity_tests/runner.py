@@ -44,7 +44,8 @@ ddp --allreduce ring        DDP (gloo/nccl all-reduce)                      N   
 ddp --compress bf16|fp16    DDP + ``bf16/fp16_compress_hook``               N       bounds at the wire's precision
 ddp --compress powersgd     DDP + ``powerSGD_hook`` (error feedback, warm   N       same initial Q fed to both sides
                             start, start_iter 2)
-zero1                       DDP + ``ZeroRedundancyOptimizer``               N
+zero1                       DDP + ``ZeroRedundancyOptimizer``               N       the ddp rows' all-reduce options
+                                                                                    too: one AllReduce on both sides
 zero2                       FSDP2 ``fully_shard(reshard_after_forward=      N       per block + root
                             False)``
 zero3                       FSDP2 ``fully_shard(reshard_after_forward=      N
@@ -195,7 +196,10 @@ def _dp_torch(cfg: ParityConfig, cuda_gpus: int) -> str:
 PAIRS: Dict[str, Pair] = {
     "ddp": Pair("DistributedDataParallel (broadcast_buffers; optional comm hook)", "ddp",
                 ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank")),
-    "zero1": Pair("DDP + ZeroRedundancyOptimizer", "zero1", ("bucket_cap_mb",)),
+    # ZeRO-1 all-reduces as DDP does (jaxdp composes the same sync.AllReduce), so DDP's comm
+    # hooks apply: torch's twin is ZeroRedundancyOptimizer over a DDP model with that hook.
+    "zero1": Pair("DDP (optional comm hook) + ZeroRedundancyOptimizer", "zero1",
+                  ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank")),
     "zero2": Pair("FSDP2 fully_shard(reshard_after_forward=False)", "zero2"),
     "zero3": Pair("FSDP2 fully_shard(reshard_after_forward=True)", "zero3"),
     "hsdp": Pair("FSDP2 on a 2-D DeviceMesh (replicate, shard)", "hsdp", ("mesh_shape",)),
@@ -448,11 +452,14 @@ def configure_precision(cuda: bool) -> None:
 
 
 def jax_strategy(p: Plan, variables=None):
-    """The jaxdp strategy for the plan (model, optimizer, mesh), ``return_grads=True``."""
+    """The jaxdp strategy for the plan (model, classifier task, optimizer, mesh), ``return_grads=True``.
+    zero3/hsdp shard per FSDP unit, the model's own (``fsdp_units``: the ResNet's blocks), as
+    torch_ref's FSDP2 twin ``fully_shard``s every block and then the root."""
     from jaxdp.mesh import make_mesh
-    from jaxdp.models import create_model
+    from jaxdp.models import create_model, fsdp_units
     from jaxdp.optim import make_optimizer, make_schedule
     from jaxdp.strategies import create_strategy
+    from jaxdp.task import classifier
 
     cfg = p.cfg
     model = create_model(cfg.model, num_classes=cfg.num_classes, width=cfg.width,
@@ -462,8 +469,10 @@ def jax_strategy(p: Plan, variables=None):
           make_schedule(cfg.schedule, cfg.lr, p.torch_config["total_steps"], warmup_steps=cfg.warmup_steps))
     tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps)
-    return create_strategy(cfg.strategy, model, tx, make_mesh(cfg.devices), accum_steps=cfg.accum,
-                           sync_bn=cfg.sync_bn, return_grads=True, **p.jax_options)
+    units = {"units": fsdp_units(model)} if cfg.strategy in ("zero3", "hsdp") else {}
+    return create_strategy(cfg.strategy, model, classifier(model), tx, make_mesh(cfg.devices),
+                           accum_steps=cfg.accum, sync_bn=cfg.sync_bn, return_grads=True, **units,
+                           **p.jax_options)
 
 
 def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
@@ -482,7 +491,8 @@ def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
     records = []
     for images, labels in batches:
         flat_images = images.reshape(-1, *images.shape[2:])
-        state, metrics = strategy.step(state, *strategy.shard_batch(flat_images, labels.reshape(-1)))
+        batch = strategy.shard_batch({"image": flat_images, "label": labels.reshape(-1)})
+        state, metrics = strategy.step(state, batch)
         metrics = jax.device_get(metrics)
         canon = jax.device_get(strategy.canonical(state))
         opt = torch_optimizer_state(p.cfg.optimizer, canon.opt_state)
@@ -500,7 +510,7 @@ def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
             "loss_per_rank": [float(x) for x in np.asarray(metrics["loss_per_device"])],
             "grads": tree_to_torch_names(metrics["grads"]),
             "params": tree_to_torch_names(canon.params),
-            "buffers": tree_to_torch_names(canon.batch_stats, "batch_stats"),
+            "buffers": tree_to_torch_names(canon.model_state["batch_stats"], "batch_stats"),
             "optimizer_state": opt_named,
         })
     return records
@@ -679,8 +689,8 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accum", type=int, default=d.accum, help="micro-batches per update (torch no_sync)")
     g.add_argument("--sync-bn", action="store_true", help="global BN statistics (torch: see the pair table)")
     g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
-    g.add_argument("--allreduce", default=d.allreduce, help="ddp: psum | ring")
-    g.add_argument("--compress", default=d.compress, help="ddp: bf16 | fp16 | powersgd")
+    g.add_argument("--allreduce", default=d.allreduce, help="ddp, zero1: psum | ring")
+    g.add_argument("--compress", default=d.compress, help="ddp, zero1: bf16 | fp16 | powersgd")
     g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
     g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter)
     g.add_argument("--staleness", type=int, default=d.staleness, help="async: only 0 has a torch twin")

@@ -20,11 +20,13 @@ from parity_tests.test_parity import F64, TINY
 EVERY_BUG_ON = ("ddp-n2-sgd-nesterov-20steps", "zero3-n2-adam")
 # One run per patch site not already exercised above (~7 s of CPU each, mostly compiling).
 STRATEGY_SPECIFIC = [
-    ("missing_1_over_n", "zero2-n2-accum2-sgd"),   # ZeRO2.reduce_scatter
-    ("missing_1_over_n", "hsdp-2x2-sgd"),          # HSDP.averaged_grads, N = 4
+    ("missing_1_over_n", "zero2-n2-accum2-sgd"),   # ZeRO.reduce_scatter
+    ("missing_1_over_n", "hsdp-2x2-sgd"),          # ZeRO.average_chunks with the replica psum, N = 4
+    ("missing_1_over_n", "zero1-n2-adamw"),        # AllReduce.reduce_bucket, composed by ZeRO-1
     ("missing_1_over_n", "dp-n2"),                 # the sum on device 0
     ("wrong_shard_bn", "dp-n2"),                   # chunk 0's stats, broadcast from device 0
-    ("wrong_shard_bn", "async-k0-n2"),             # staleness 0 runs DDP's step, not async's own
+    ("wrong_shard_bn", "async-k0-n2"),             # async's own step (k = 0 too), through async_ps's name
+    ("wrong_shard_bn", "hsdp-2x2-sgd"),            # BN buffers from global device 0 of the 2-D mesh
 ]
 
 

@@ -47,6 +47,10 @@ F64 = {
     "ddp-bf16-hook": dict(strategy="ddp", devices=2, compress="bf16", steps=SHORT, **SGD),
     "ddp-powersgd-hook": dict(strategy="ddp", devices=2, compress="powersgd", powersgd_start_iter=2,
                               steps=SHORT, **SGD),
+    # ZeRO-1 composes DDP's all-reduce, hooks included; torch: ZeroRedundancyOptimizer over a hooked DDP.
+    "zero1-bf16-hook": dict(strategy="zero1", devices=2, compress="bf16", steps=SHORT, **ADAMW),
+    "zero1-powersgd-hook": dict(strategy="zero1", devices=2, compress="powersgd", powersgd_start_iter=2,
+                                steps=SHORT, **ADAMW),
 }
 
 F32 = {
@@ -152,10 +156,25 @@ def test_sync_bn_twin_on_cpu_is_one_full_batch_process_and_says_why():
 def test_pairs_without_a_twin_are_refused():
     with pytest.raises(ParityError, match="has no PyTorch twin"):
         plan(config("float64", strategy="async", staleness=2))
-    with pytest.raises(ParityError, match="does not apply"):
-        plan(config("float64", strategy="zero3", compress="bf16"))
+    for strategy in ("zero2", "zero3", "hsdp"):  # they reduce-scatter: no all-reduce for a hook to wrap
+        with pytest.raises(ParityError, match="does not apply"):
+            plan(config("float64", strategy=strategy, compress="bf16"))
     with pytest.raises(ParityError, match="no torch twin registered"):
         plan(config("float64", strategy="nope"))
+
+
+def test_zero1_takes_ddps_comm_hooks_on_both_sides():
+    """jaxdp's zero1 composes DDP's AllReduce, so it has DDP's hooks; its twin is
+    ZeroRedundancyOptimizer over a DDP model with the same hook."""
+    p = plan(config("float64", strategy="zero1", devices=2, compress="bf16", allreduce="ring"))
+    assert p.jax_options == {"compress": "bf16", "allreduce": "ring"}
+    assert (p.torch_strategy, p.torch_config["compress"]) == ("zero1", "bf16")
+    assert "allreduce" not in p.torch_config  # gloo/nccl sum as they do
+    p = plan(config("float64", strategy="zero1", devices=2, compress="powersgd", powersgd_rank=2))
+    assert p.jax_options["powersgd_rank"] == 2 and p.torch_config["powersgd_rank"] == 2
+    # The same initial Q on both sides, keyed by torch name there and by jaxdp leaf name here.
+    assert set(p.jax_options["powersgd_options"]["initial_q"]) == {
+        n.replace(".weight", ".kernel") for n in p.torch_config["powersgd_q"]}
 
 
 def test_full_batch_order_puts_each_devices_kth_micro_batch_together():

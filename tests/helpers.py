@@ -61,6 +61,26 @@ def random_batch(n, size=8, seed=0, dtype=np.float64):
     return rng.normal(size=(n, size, size, 3)).astype(dtype), rng.integers(0, 10, n).astype(np.int32)
 
 
+def as_batch(images, labels, mask=None):
+    """The classifier task's batch pytree (``jaxdp.task.classifier``): host arrays, global batch."""
+    batch = {"image": images, "label": labels}
+    return batch if mask is None else {**batch, "mask": mask}
+
+
+def model_state(variables):
+    """The non-params collections of ``variables`` (a TrainState's ``model_state``)."""
+    return {k: v for k, v in variables.items() if k != "params"}
+
+
+def run_steps(strategy, state, batches):
+    """``strategy.step`` over host ``(images, labels)`` pairs; the final state and every step's metrics."""
+    history = []
+    for x, y in batches:
+        state, metrics = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
+        history.append(metrics)
+    return state, history
+
+
 def init(model, size=8, seed=0):
     return model.init(jax.random.key(seed), jnp.zeros((1, size, size, 3), model.dtype), train=False)
 

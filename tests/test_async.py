@@ -8,13 +8,15 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
-from helpers import max_rel_error, random_batch  # noqa: E402
+from helpers import as_batch, max_rel_error, random_batch, run_steps  # noqa: E402
 from helpers import TinyBNNet, numpy_init as init  # noqa: E402
 
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import StrategyError, create_strategy  # noqa: E402
-from jaxdp.strategies.base import cross_entropy  # noqa: E402
+from jaxdp.strategies.async_ps import AsyncPS  # noqa: E402
+from jaxdp.strategies.ddp import DDP  # noqa: E402
+from jaxdp.task import classifier, cross_entropy  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -56,23 +58,37 @@ def reference_stale_sgd(model, variables, tx, batches, delays):
     return history, stats, opt_state, np.array(losses)
 
 
+def make(name, model, tx, n, **options):
+    return create_strategy(name, model, classifier(model), tx, make_mesh(n), **options)
+
+
 def run(name, model, variables, tx, batches, n, **options):
-    strategy = create_strategy(name, model, tx, make_mesh(n), **options)
-    state = strategy.init_state(variables)
-    for x, y in batches:
-        state, _ = strategy.step(state, *strategy.shard_batch(x, y))
-    return strategy, state
+    strategy = make(name, model, tx, n, **options)
+    state, history = run_steps(strategy, strategy.init_state(variables), batches)
+    return strategy, state, history
 
 
 def test_staleness_zero_is_ddp_exactly():
+    """k = 0 runs async's own step (its params_read, its update), not DDP's: bit for bit DDP's
+    state and metrics, the averaged gradients included."""
     model, n = TinyBNNet(), 4
     variables = init(model)
     tx = make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=1e-3)
     batches = [random_batch(16, seed=s) for s in range(3)]
-    _, ddp = run("ddp", model, variables, tx, batches, n)
-    _, ps = run("async", model, variables, tx, batches, n, staleness=0)
+    _, ddp, ddp_history = run("ddp", model, variables, tx, batches, n, return_grads=True)
+    ps_strategy, ps, ps_history = run("async", model, variables, tx, batches, n, staleness=0, return_grads=True)
+    # Its own code path: not DDP's class, nor its step.
+    assert isinstance(ps_strategy, AsyncPS) and not isinstance(ps_strategy, DDP)
+    assert type(ps_strategy).local_step is AsyncPS.local_step and AsyncPS.local_step is not DDP.local_step
+    assert ps.extra is None  # k = 0 keeps no history
+    assert jax.tree_util.tree_structure(ddp) == jax.tree_util.tree_structure(ps)
     for a, b in zip(jax.tree_util.tree_leaves(ddp), jax.tree_util.tree_leaves(ps)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(ddp_history) == len(ps_history) == 3
+    for m, r in zip(ps_history, ddp_history):
+        assert set(m) == set(r) >= {"loss", "loss_per_device", "accuracy", "grads"}
+        for a, b in zip(jax.tree_util.tree_leaves(m), jax.tree_util.tree_leaves(r)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # (k, workers, seed): k = 1 and 2 on 2 workers, and k = 3 on 4 workers with every delay 0..3 in play.
@@ -88,17 +104,17 @@ def test_stale_gradients_match_python_loop_reference(k, n, seed):
     if n == 4:
         assert set(delays.ravel()) == set(range(k + 1)), delays
 
-    strategy = create_strategy("async", model, tx, make_mesh(n), staleness=k, staleness_seed=seed)
+    strategy = make("async", model, tx, n, staleness=k, staleness_seed=seed)
     state, losses = strategy.init_state(variables), []
     for i, (x, y) in enumerate(batches):
-        state, metrics = strategy.step(state, *strategy.shard_batch(x, y))
+        state, metrics = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
         losses.append(np.asarray(metrics["loss_per_device"]))
         if i == 1:  # a checkpoint round trip mid-run, ring buffer included
             state = strategy.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.canonical(state)))
     history, stats, opt_state, ref_losses = reference_stale_sgd(model, variables, tx, batches, delays)
     np.testing.assert_allclose(np.array(losses), ref_losses, rtol=1e-12)  # each worker read its own version
     assert max_rel_error(state.params, history[-1]) <= 1e-12
-    assert max_rel_error(state.batch_stats, stats) <= 1e-12
+    assert max_rel_error(state.model_state["batch_stats"], stats) <= 1e-12
     assert max_rel_error(state.opt_state, opt_state) <= 1e-12
     # The ring buffer holds the last k versions theta_{STEPS-k} .. theta_{STEPS-1}, theta_v in slot v mod k.
     assert jax.tree_util.tree_leaves(state.extra["history"])[0].shape[0] == k
@@ -109,4 +125,4 @@ def test_stale_gradients_match_python_loop_reference(k, n, seed):
 
 def test_staleness_must_be_non_negative():
     with pytest.raises(StrategyError, match="staleness"):
-        create_strategy("async", TinyBNNet(), optax.sgd(0.1), make_mesh(2), staleness=-1)
+        make("async", TinyBNNet(), optax.sgd(0.1), 2, staleness=-1)

@@ -1,5 +1,6 @@
-"""Checkpointer rules on tiny states: which shape changes a restore accepts, and which
-failures fall back to an older checkpoint (corruption) and which are raised (everything else).
+"""Checkpointer rules on tiny states: a restore onto another device count (same shapes, new
+shardings) and refused shape changes, and which failures fall back to an older checkpoint
+(corruption) and which are raised (everything else).
 
 The whole path (train, kill, corrupt, resume) is in test_fault_tolerance.py.
 """
@@ -16,17 +17,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxdp.checkpoint import MANIFEST, CheckpointError, Checkpointer, CheckpointWarning
 from jaxdp.mesh import make_mesh
 from jaxdp.state import TrainState
+from jaxdp.strategies import layout
 
 
-def state_on(n: int, flat_len: int, stats_len: int = 3):
-    """A TrainState shaped like the checkpoint layout: params flat and sharded over n devices."""
+def state_on(n: int, w_shape=(8, 6), b_len: int = 10, stats_len: int = 3):
+    """A TrainState in the checkpoint layout (``Strategy.stored``): canonical shapes, params
+    cut over n devices along a dimension n divides (replicated where none does), the model
+    state replicated."""
     mesh = make_mesh(n)
-    flat = np.zeros(flat_len)
-    flat[:5] = np.arange(1.0, 6.0)  # 5 real elements, then padding
+
+    def stored(x):
+        cut = any(d % n == 0 for d in x.shape)
+        return jax.device_put(x, NamedSharding(mesh, layout.spec(x.shape, n, "data") if cut else P()))
     return TrainState(
         step=jnp.int32(7),
-        params={"w": jax.device_put(flat, NamedSharding(mesh, P("data")))},
-        batch_stats={"mean": jax.device_put(np.arange(stats_len, dtype=float), NamedSharding(mesh, P()))},
+        params={"w": stored(np.arange(float(np.prod(w_shape))).reshape(w_shape)),
+                "b": stored(np.arange(float(b_len)))},
+        model_state={"batch_stats": {"mean": jax.device_put(np.arange(stats_len, dtype=float),
+                                                            NamedSharding(mesh, P()))}},
         opt_state=(), extra=None)
 
 
@@ -34,22 +42,34 @@ def target(state):
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
-def test_flat_arrays_take_the_new_device_counts_padding(tmp_path):
+def test_sharded_arrays_restore_onto_any_device_count(tmp_path):
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(1, state_on(4, 8), {})  # 5 elements padded to 8 for 4 devices
-    for n, length in ((2, 6), (8, 8), (1, 5)):
-        restored, _ = ckpt.restore(target(state_on(n, length)))
-        np.testing.assert_array_equal(np.asarray(restored.params["w"]), np.pad(np.arange(1.0, 6.0), (0, length - 5)))
-        assert restored.params["w"].sharding.num_devices == n
+    ckpt.save(1, state_on(4), {})  # (8, 6) cut along dim 0 over 4 devices
+    want = np.arange(48.0).reshape(8, 6)
+    for n, dim in ((2, 0), (3, 1), (8, 0), (1, 0)):  # 3 devices cut it along dim 1
+        restored, _ = ckpt.restore(target(state_on(n)))
+        w = restored.params["w"]
+        np.testing.assert_array_equal(np.asarray(w), want)
+        assert w.sharding.num_devices == n and w.sharding.spec == layout.spec(want.shape, n, "data")
+        assert layout.shard_dim(want.shape, n) == dim
+        np.testing.assert_array_equal(np.asarray(restored.params["b"]), np.arange(10.0))  # 10: cut on 2, 1
+        np.testing.assert_array_equal(np.asarray(restored.model_state["batch_stats"]["mean"]), np.arange(3.0))
         assert int(restored.step) == 7
     ckpt.close()
 
 
-def test_any_other_shape_change_is_an_error_naming_the_array(tmp_path):
+def test_any_shape_change_is_an_error_naming_the_array(tmp_path):
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(1, state_on(2, 6), {})
-    with pytest.raises(CheckpointError, match=r"batch_stats\.mean is shaped \(3,\), this run needs \(4,\)"):
-        ckpt.restore(target(state_on(2, 6, stats_len=4)))
+    ckpt.save(1, state_on(2), {})
+    with pytest.raises(CheckpointError,
+                       match=r"model_state\.batch_stats\.mean is shaped \(3,\), this run needs \(4,\)"):
+        ckpt.restore(target(state_on(2, stats_len=4)))
+    # Params too, vectors included: the stored layout has canonical shapes, which no device count
+    # pads or cuts (a 10-class head's bias must not load into a 12-class model).
+    with pytest.raises(CheckpointError, match=r"params\.w is shaped \(8, 6\), this run needs \(8, 5\)"):
+        ckpt.restore(target(state_on(2, w_shape=(8, 5))))
+    with pytest.raises(CheckpointError, match=r"params\.b is shaped \(10,\), this run needs \(12,\)"):
+        ckpt.restore(target(state_on(2, b_len=12)))
     ckpt.close()
 
 

@@ -11,11 +11,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from helpers import TinyBNNet, TinyConvNet, max_rel_error, numpy_init as init, random_batch  # noqa: E402
+from helpers import TinyBNNet, TinyConvNet, as_batch, max_rel_error, numpy_init as init, random_batch  # noqa: E402
 
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
+from jaxdp.task import classifier  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -49,25 +50,29 @@ def reference_data_parallel(model, variables, tx, batches, n):
     return params, stats, opt_state, losses
 
 
+def dp(model, tx, n):
+    return create_strategy("dp", model, classifier(model), tx, make_mesh(n))
+
+
 def test_dp_equals_full_batch_mean_reference():
     model, n = TinyBNNet(), 4
     variables = init(model)
     tx = make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=1e-4)
     batches = [random_batch(16, seed=s) for s in range(2)]
-    strategy = create_strategy("dp", model, tx, make_mesh(n))
+    strategy = dp(model, tx, n)
     state = strategy.init_state(variables)
     losses = []
     for x, y in batches:
-        state, metrics = strategy.step(state, *strategy.shard_batch(x, y))
+        state, metrics = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
         losses.append(float(metrics["loss"]))
     params, stats, opt_state, ref_losses = reference_data_parallel(model, variables, tx, batches, n)
     canonical = strategy.canonical(state)
     assert max_rel_error(canonical.params, params) <= 1e-12
-    assert max_rel_error(canonical.batch_stats, stats) <= 1e-12
+    assert max_rel_error(canonical.model_state["batch_stats"], stats) <= 1e-12
     assert max_rel_error(canonical.opt_state, opt_state) <= 1e-12
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-13)
     # Every device holds device 0's params and BN stats after the broadcast.
-    for leaf in jax.tree_util.tree_leaves((state.params, state.batch_stats)):
+    for leaf in jax.tree_util.tree_leaves((state.params, state.model_state)):
         np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(np.asarray(leaf)[0], leaf.shape))
 
 
@@ -89,9 +94,9 @@ def test_dp_program_gathers_to_device_0_and_broadcasts():
     for n in (3, 4):  # 3: the broadcast tree is not a full binary tree
         model = TinyConvNet()
         variables = init(model)
-        strategy = create_strategy("dp", model, optax.adam(1e-3), make_mesh(n))
+        strategy = dp(model, optax.adam(1e-3), n)
         state = strategy.init_state(variables)
-        hlo = strategy.lower_step(state, *strategy.shard_batch(*random_batch(4 * n))).compile().as_text()
+        hlo = strategy.lower_step(state, strategy.shard_batch(as_batch(*random_batch(4 * n)))).compile().as_text()
         grad_size = sum(x.size for x in jax.tree_util.tree_leaves(variables["params"]))
         ops = _collectives(hlo)
 
@@ -114,13 +119,13 @@ def test_dp_program_gathers_to_device_0_and_broadcasts():
 def test_dp_trains_evaluates_and_round_trips_canonical():
     model, n = TinyConvNet(), 2
     variables = init(model)
-    strategy = create_strategy("dp", model, optax.sgd(0.1), make_mesh(n))
+    strategy = dp(model, optax.sgd(0.1), n)
     x, y = random_batch(8)
     state = strategy.init_state(variables)
-    state, _ = strategy.step(state, *strategy.shard_batch(x, y))
+    state, _ = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
     again = strategy.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.canonical(state)))
     assert max_rel_error(again.params, state.params) == 0.0
-    out = strategy.evaluate(again, *strategy.shard_batch(x, y, np.ones(8, bool)))
+    out = strategy.evaluate(again, strategy.shard_batch(as_batch(x, y, np.ones(8, bool))))
     logits = model.apply({"params": strategy.canonical(state).params}, jnp.asarray(x))
     want = optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
     np.testing.assert_allclose(float(out["loss_sum"]), float(want), rtol=1e-13)

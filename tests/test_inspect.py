@@ -12,13 +12,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxdp.cli import main  # noqa: E402
-from jaxdp.inspect import (formula_bytes, inspect_strategy, measure, param_count, parse_collectives,  # noqa: E402
-                           replica_groups)
+from jaxdp.inspect import (formula_bytes, fsdp_options, inspect_strategy, measure, padded_count,  # noqa: E402
+                           param_count, parse_collectives, replica_groups)
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.train import init_variables  # noqa: E402
+from jaxdp.task import classifier  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 
@@ -27,19 +27,33 @@ def test_resnet18_cifar_has_11_173_962_params():
     assert param_count(create_model("resnet18")) == 11_173_962
 
 
+def test_padded_count_pads_only_tensors_no_dimension_of_which_n_divides():
+    shapes = {"kernel": np.zeros((3, 3, 16, 24)), "odd": np.zeros((5, 7)), "bias": np.zeros(10)}
+    # N = 8: the kernel is cut along 24, unpadded; (5, 7) pads its largest dim 7 -> 8; the bias 10 -> 16.
+    assert padded_count(shapes, 8) == 3 * 3 * 16 * 24 + 5 * 8 + 16
+    # N = 5: no kernel dim divisible (its largest, 24, pads to 25); (5, 7) is cut along 5; 10 is.
+    assert padded_count(shapes, 5) == 3 * 3 * 16 * 25 + 5 * 7 + 10
+
+
 def test_model_state_bytes_match_the_zero_formulas():
     """Measured == formula with padding (exactly), and within 1% of the plain formula."""
     model = create_model("resnet18", width=8, blocks=(1, 1, 1, 1))  # Ψ = 78,002, f32
-    variables = init_variables(model, 0, (16, 16, 3))
+    variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(np.zeros((1, 16, 16, 3), np.float32))
     rng = np.random.default_rng(0)
-    images, labels = rng.normal(size=(8, 16, 16, 3)), rng.integers(0, 10, 8)
+    images, labels = rng.normal(size=(8, 16, 16, 3)).astype(np.float32), rng.integers(0, 10, 8).astype(np.int32)
     for opt, k, scalars in (("adam", 8, 4), ("sgd", 4, 0)):
         tx = make_optimizer(opt, 0.1) if opt == "sgd" else make_optimizer(opt, 1e-3)
         for n in (1, 2, 4, 8) if opt == "adam" else (8,):
             for name in STRATEGIES if opt == "adam" else ("zero3",):
-                r = measure(create_strategy(name, model, tx, make_mesh(n)), variables, images[:n], labels[:n],
-                            compile=False)
+                strategy = create_strategy(name, model, classifier(model), tx, make_mesh(n),
+                                           **fsdp_options(name, model))
+                # The sharded init (strategy.init) at N = 8, the canonical variables placed elsewhere.
+                r = measure(strategy, {"image": images[:n], "label": labels[:n]},
+                            variables=None if n == 8 else variables, compile=False)
                 assert (r["psi"], r["param_bytes"], r["opt_bytes_per_param"]) == (78_002, 4, k)
+                # Per-dimension sharding: only the fc bias (10) has no dimension the shard count divides
+                # (8: 10 -> 16, 4: -> 12; hsdp shards over S = N/2).
+                assert r["psi_padded"] == 78_002 + {8: 6, 4: 2, 2: 0, 1: 0}[r["shards"]], (name, n)
                 measured, exact, padded = r["state"]["measured"], r["state"]["formula"], r["state"]["formula_padded"]
                 for part in ("params", "grads", "opt"):
                     assert measured[part] == padded[part], (name, n, part)
@@ -71,8 +85,15 @@ def test_zero3_collectives_and_traffic(compiled_reports):
     # No gradient all-reduce: what remains is the BN-buffer broadcast and the metrics.
     assert ops["all-reduce"]["output_bytes"] < 0.01 * pbytes
     assert ddp["collectives"]["ops"]["all-reduce"]["output_bytes"] >= pbytes
-    # Forward gather + backward re-gather = 2Ψ gathered, Ψ reduce-scattered.
-    assert ops["all-gather"]["output_bytes"] == pytest.approx(2 * z3["psi_padded"] * 4, rel=1e-3)
+    # The FSDP units are the 8 blocks; the root unit is the stem (conv 3x3x3x32, BN 2x32) and the fc
+    # (256x10 kernel, bias 10 padded to 16), gathered once per step and kept through backward.
+    assert z3["fsdp_unit_count"] == 8
+    assert z3["psi_root_padded"] == 3 * 3 * 3 * 32 + 2 * 32 + 256 * 10 + 16
+    # Every unit gathered in forward and re-gathered in backward, the root once: 2Ψ_pad - Ψ_root gathered ...
+    assert ops["all-gather"]["output_bytes"] == pytest.approx(
+        (2 * z3["psi_padded"] - z3["psi_root_padded"]) * 4, rel=1e-6)
+    # ... and Ψ_pad reduce-scattered (less 1.6e-4: XLA merges the reduce-scatters of two equal gradients,
+    # the biases of a downsampling block's bn2 and shortcut BN, both the sum of the block's output grad).
     assert ops["reduce-scatter"]["input_bytes"] == pytest.approx(z3["psi_padded"] * 4, rel=1e-3)
     ratio = z3["collectives"]["ring_bytes"] / ddp["collectives"]["ring_bytes"]
     print(f"ring bytes per device: ddp {ddp['collectives']['ring_bytes']:,.0f}, "
@@ -128,19 +149,20 @@ class WideMLP(nn.Module):
 def wide_mlp():
     model = WideMLP()
     rng = np.random.default_rng(0)
-    images, labels = rng.normal(size=(16, 16, 16, 3)).astype(np.float32), rng.integers(0, 10, 16)
-    return model, {"batch_stats": {}, **jax.jit(model.init)(jax.random.key(0), images[:1])}, images, labels
+    return model, {"image": rng.normal(size=(16, 16, 16, 3)).astype(np.float32),
+                   "label": rng.integers(0, 10, 16).astype(np.int32)}
 
 
 @pytest.mark.parametrize("name,options", [
     ("zero1", {"bucket_cap_mb": 0.25}), ("zero2", {"bucket_cap_mb": 0.25}), ("dp", {}), ("async", {"staleness": 2}),
     ("ddp", {"allreduce": "ring"}), ("ddp", {"compress": "powersgd", "powersgd_rank": 2}),
-], ids=["zero1", "zero2", "dp", "async", "ring", "powersgd"])
+    ("zero1", {"compress": "powersgd", "powersgd_rank": 2}),
+], ids=["zero1", "zero2", "dp", "async", "ring", "powersgd", "zero1-powersgd"])
 def test_measured_traffic_meets_the_formula(wide_mlp, name, options):
     """Ring bytes per device from the compiled HLO within 2% of each strategy's formula (see jaxdp.inspect)."""
-    model, variables, images, labels = wide_mlp
-    r = measure(create_strategy(name, model, make_optimizer("adam", 1e-3), make_mesh(8), **options),
-                variables, images, labels)
+    model, batch = wide_mlp
+    r = measure(create_strategy(name, model, classifier(model), make_optimizer("adam", 1e-3), make_mesh(8),
+                                **options), batch)
     measured = r["collectives"]["ring_bytes"]
     if "compress" in options:  # the step holds both branches; the compressed one runs after start_iter
         (branches,) = r["collectives"]["conditionals"]
@@ -154,13 +176,19 @@ def test_measured_traffic_meets_the_formula(wide_mlp, name, options):
 
 def test_bf16_compression_halves_the_traffic_as_written(wide_mlp):
     """The program all-reduces bf16 (half of DDP's bytes); XLA:CPU's compiled program promotes it to f32."""
-    model, variables, images, labels = wide_mlp
+    model, batch = wide_mlp
     tx = make_optimizer("sgd", 0.1)
-    ddp = measure(create_strategy("ddp", model, tx, make_mesh(8)), variables, images, labels)
-    bf16 = measure(create_strategy("ddp", model, tx, make_mesh(8), compress="bf16"), variables, images, labels)
+    task, mesh = classifier(model), make_mesh(8)
+    ddp = measure(create_strategy("ddp", model, task, tx, mesh), batch)
+    bf16 = measure(create_strategy("ddp", model, task, tx, mesh, compress="bf16"), batch)
     assert bf16["traffic_formula_bytes"] == pytest.approx(ddp["traffic_formula_bytes"] / 2)
     assert bf16["ring_bytes_as_written"] == pytest.approx(bf16["traffic_formula_bytes"], rel=0.02)
     assert ddp["ring_bytes_as_written"] == pytest.approx(ddp["traffic_formula_bytes"], rel=0.02)
+    # ZeRO-1 composes DDP's all-reduce, hook included: a bf16 gradient all-reduce, then the f32 chunks gathered.
+    zero1 = measure(create_strategy("zero1", model, task, tx, mesh, compress="bf16"), batch)
+    psi, n = zero1["psi"], 8
+    assert zero1["traffic_formula_bytes"] == pytest.approx((n - 1) / n * (2 * 2 * psi + 4 * zero1["psi_padded"]))
+    assert zero1["ring_bytes_as_written"] == pytest.approx(zero1["traffic_formula_bytes"], rel=0.02)
 
 
 def test_replica_group_forms():
@@ -218,6 +246,15 @@ def test_cli_inspect_refuses_a_batchnorm_of_one_value(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("jaxdp: error: --image-size 8 with --batch-per-device 1") and "\n" not in err
+
+
+def test_cli_inspect_refuses_an_option_the_strategy_refuses(capsys):
+    # zero3 reduce-scatters: it has no all-reduce for a compression hook to wrap (zero1 has DDP's).
+    argv = ["inspect", "--strategy", "zero3", "--devices", "2", "--width", "4", "--blocks", "1,1,1,1",
+            "--image-size", "16", "--compress", "bf16", "--no-compile"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxdp: error: ") and "compress" in err and "\n" not in err
 
 
 HLO = """HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[16]{0})->f32[16]{0}}

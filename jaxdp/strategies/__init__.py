@@ -42,7 +42,8 @@ def options_of(name: str) -> Dict[str, object]:
             for p in _inspect.signature(klass.__init__).parameters.values():
                 if p.kind == p.KEYWORD_ONLY:
                     params[p.name] = p.default
-    return {k: v for k, v in params.items() if k not in fixed and k != "hsdp"}
+    refused = cls.refused_options(**fixed) if hasattr(cls, "refused_options") else set()
+    return {k: v for k, v in params.items() if k not in fixed and k not in refused and k not in ("stage", "hsdp")}
 
 
 def create_strategy(name: str, model, task, tx, mesh, **options) -> Strategy:

@@ -14,7 +14,7 @@ a Flax method interceptor (``nn.intercept_methods``) catches each unit's
 ``fsdp_unit``: all-gather the unit's params, apply an unbound copy of the unit
 to them, and write the unit's mutated collections (BatchNorm stats) back into
 the running model. Composing the units this way is ``model.apply`` itself, op
-for op (tests/test_units.py checks it bit for bit).
+for op (tests/test_zero.py checks it bit for bit).
 
 Not covered: a unit that draws random numbers (dropout) gets its key from the
 running model's rng stream (``make_rng``), so its draws differ from a plain

@@ -52,7 +52,16 @@ from jaxdp.strategies.units import Units, fsdp_unit, gather_on_use, in_unit, uni
 TWINS = {1: "ZeroRedundancyOptimizer", 2: "fully_shard(reshard_after_forward=False)", 3: "fully_shard"}
 
 
+def refused_options(stage: int, hsdp: bool = False) -> set:
+    """The constructor's options that ``stage`` (and ``hsdp``) refuse: ``options_of`` leaves them out."""
+    refused = set() if stage == 1 else {"allreduce", "compress", "powersgd_rank", "powersgd_options"}
+    refused |= {"bucket_cap_mb"} if stage == 3 else {"units"}
+    return refused if hsdp else refused | {"mesh_shape"}
+
+
 class ZeRO(Strategy):
+    refused_options = staticmethod(refused_options)
+
     def __init__(self, model, task, tx, mesh, *, stage: int = 3, units=(), mesh_shape=None, bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
                  hsdp: bool = False, **kwargs):
@@ -65,6 +74,9 @@ class ZeRO(Strategy):
                                 "instead (use ddp or zero1)")
         if units and stage != 3:
             raise StrategyError(f"units are ZeRO-3's gather-on-use units; zero{stage} keeps params whole")
+        if bucket_cap_mb is not None and stage == 3:
+            raise StrategyError("bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero3 moves params and "
+                                "grads per FSDP unit")
         self.stage, self.hsdp = stage, hsdp
         self.name = "hsdp" if hsdp else f"zero{stage}"
         self.torch_twin = "fully_shard(mesh=2-D)" if hsdp else TWINS[stage]
@@ -106,11 +118,7 @@ class ZeRO(Strategy):
                 params = jax.lax.pcast(params, REPLICA_AXIS, to="varying")
             loss, grads, model_state, metrics = local_grads(
                 self.gathering_loss(self.task.loss_fn), params, state.model_state, batch, key, self.accum_steps)
-            # Reduce-scattered (summed) by the gathers' transposes already: only divide.
-            grads = jax.tree_util.tree_map(lambda g: g / n, grads)
-            if self.hsdp:
-                grads = jax.lax.psum(grads, REPLICA_AXIS)
-            extra = state.extra
+            grads, extra = self.average_chunks(grads), state.extra
         else:
             params = jax.lax.pcast(state.params, self.axis, to="varying")
             loss, grads, model_state, metrics = local_grads(
@@ -162,6 +170,13 @@ class ZeRO(Strategy):
             with gather_on_use(self.units, gather_unit):
                 return loss_fn(params, model_state, batch, key)
         return run
+
+    def average_chunks(self, grads):
+        """Stage 3: this device's chunk of the averaged gradient. The gathers' transposes have
+        already reduce-scattered (summed) it over the shard group: only divide by N, and for
+        HSDP sum across the replicas, ``psum(g / N, "replica")``."""
+        grads = jax.tree_util.tree_map(lambda g: g / self.num_devices, grads)
+        return jax.lax.psum(grads, REPLICA_AXIS) if self.hsdp else grads
 
     def my_chunks(self, tree):
         """This device's chunk of every tensor of a tree all devices hold whole."""
