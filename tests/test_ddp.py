@@ -21,18 +21,20 @@ def reference_ddp(model, variables, tx, batches, n):
     params, stats = variables["params"], variables["batch_stats"]
     opt_state = tx.init(params)
 
+    @jax.jit  # compiled once: op-by-op dispatch of a ResNet's backward costs more than the strategy's test
     def shard_grad(p, bs, x, y):
         def loss_fn(p):
             logits, upd = model.apply({"params": p, "batch_stats": bs}, x, train=True, mutable=["batch_stats"])
             return cross_entropy(logits, y), upd["batch_stats"]
         return jax.grad(loss_fn, has_aux=True)(p)
 
+    update = jax.jit(tx.update)
     for x, y in batches:
         xs, ys = np.split(x, n), np.split(y, n)
         results = [shard_grad(params, stats, xs[r], ys[r]) for r in range(n)]
         grads = jax.tree_util.tree_map(lambda *g: sum(g) / n, *[g for g, _ in results])
         stats = results[0][1]
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     return params, stats, opt_state
 
@@ -41,12 +43,17 @@ def reference_full_batch(model, variables, tx, batches):
     """Plain single-device training on the whole global batch (what SyncBN must equal)."""
     params, stats = variables["params"], variables["batch_stats"]
     opt_state = tx.init(params)
-    for x, y in batches:
+    @jax.jit
+    def grad_fn(params, stats, x, y):
         def loss_fn(p):
             logits, upd = model.apply({"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
             return cross_entropy(logits, y), upd["batch_stats"]
-        grads, stats = jax.grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        return jax.grad(loss_fn, has_aux=True)(params)
+
+    update = jax.jit(tx.update)
+    for x, y in batches:
+        grads, stats = grad_fn(params, stats, x, y)
+        updates, opt_state = update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     return params, stats, opt_state
 
