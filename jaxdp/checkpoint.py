@@ -1,14 +1,14 @@
 """Checkpoints: orbax, atomic, verified, sharded, in a strategy-independent layout.
 
 A checkpoint holds the TrainState in the layout every strategy converts to and
-from (``Strategy.stored``: params and per-parameter optimizer state flat, padded
-and sharded over the data axis, as ZeRO-3 keeps them) plus a JSON record of
+from (``Strategy.stored``: params and per-parameter optimizer state in their
+canonical shapes, sharded over the data axis along a dimension it divides) plus a JSON record of
 where training stands (epoch, step in epoch, the data position, config
 fingerprint). Each device's chunks are written by the process that owns them,
 and nothing is gathered to save. A run saved under one strategy or device count
-resumes under another: orbax pads or truncates the flat arrays to the new
-count's padding (only padding changes) and the strategy converts with
-``from_stored``.
+resumes under another: the stored arrays have canonical shapes, orbax reads
+them into the new count's shardings, and the strategy converts with
+``from_stored``. Any change of shape is refused, naming the array.
 
 Three ways a checkpoint can be bad, and what happens:
 
@@ -168,9 +168,9 @@ class Checkpointer:
     def restore(self, target, global_step: Optional[int] = None) -> Tuple[object, dict]:
         """Restore into ``target``'s shapes, dtypes and shardings (arrays or ShapeDtypeStructs).
 
-        Every array must have the saved shape, except the flat layout's (1-D ``params`` and
-        ``opt_state`` leaves): their padding depends on the device count, and orbax pads
-        or truncates them to the target's length (see ``Strategy.stored``).
+        Every array must have the saved shape (the stored layout has canonical shapes, so
+        only the sharding depends on the device count); a different shape is refused, never
+        padded or truncated.
         """
         step = self._step_or_latest(global_step)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
@@ -192,7 +192,7 @@ class Checkpointer:
         wanted = {_leaf_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(abstract)}
         for name in sorted(set(saved) | set(wanted)):
             have, want = saved.get(name), wanted.get(name)
-            if have == want or (have is not None and want is not None and _resizable(name, have, want)):
+            if have == want:
                 continue
             raise CheckpointError(
                 f"cannot restore {self.step_dir(step)}: its {name} is "
@@ -281,11 +281,6 @@ def _sha256(path: str) -> str:
 def _leaf_name(path) -> str:
     """A leaf's name as orbax records it: keys joined by dots (``params.conv1.kernel``)."""
     return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
-
-
-def _resizable(name: str, saved: tuple, wanted: tuple) -> bool:
-    """The flat layout's arrays: 1-D params and optimizer state, padded per device count."""
-    return name.split(".")[0] in ("params", "opt_state") and len(saved) == len(wanted) == 1
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:
