@@ -24,7 +24,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from helpers import TinyConvNet, as_batch, init, max_rel_error, random_batch, run_steps  # noqa: E402
+from helpers import TinyConvNet, as_batch, init, max_rel_error, numpy_init, random_batch, run_steps  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxdp.strategies  # noqa: E402
@@ -99,18 +99,21 @@ def assert_same_training(got, ref):
         assert max_rel_error(m["grads"], r["grads"]) <= TOL
 
 
-CASES = [("zero1", {}), ("zero2", {}), ("zero3", {"units": UNITS}), ("zero3", {}),
+CASES = [("zero1", {}), ("zero2", {}), ("zero3", {"units": UNITS}),
          ("hsdp", {"mesh_shape": (2, 4), "units": UNITS}), ("hsdp", {"mesh_shape": (4, 2), "units": UNITS})]
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=["sgd-syncbn-accum2", "adam"])
-@pytest.mark.parametrize("name,options", CASES, ids=["zero1", "zero2", "zero3", "zero3-root-unit-only",
-                                                     "hsdp2x4", "hsdp4x2"])
+@pytest.mark.parametrize("name,options", CASES, ids=["zero1", "zero2", "zero3", "hsdp2x4", "hsdp4x2"])
 def test_equals_ddp(name, options, opt):
     """sgd: SyncBN and 2 micro-batches (ZeRO-3 reduce-scatters each, DDP reduces once: the
-    same sum); adam: DDP's BN buffers (device 0's running stats), no accumulation.
-    zero3 with no units gathers the whole model as one root unit: the same numbers."""
+    same sum); adam: DDP's BN buffers (device 0's running stats), no accumulation."""
     assert_same_training(train(name, opt, **options), ddp(opt))
+
+
+def test_zero3_without_units_equals_ddp():
+    """No units: the whole model is one root unit, gathered once per step (and micro-batch)."""
+    assert_same_training(train("zero3", "sgd"), ddp("sgd"))
 
 
 @pytest.mark.parametrize("name,n,options", [("zero1", 3, {}), ("zero2", 3, {}), ("zero3", 3, {"units": UNITS}),
@@ -125,7 +128,8 @@ def test_equals_ddp_with_padding(name, n, options):
     assert_same_training(train(name, "sgd", n, **options), ddp("sgd", n))
 
 
-@pytest.mark.parametrize("name,options", [("zero3", {"units": UNITS}), ("hsdp", {"mesh_shape": (2, 4), "units": UNITS})])
+@pytest.mark.parametrize("name,options", [("zero3", {"units": UNITS}),
+                                          ("hsdp", {"mesh_shape": (2, 4), "units": UNITS})])
 def test_evaluation_gathers_one_tensor_at_a_time_and_equals_ddp(name, options):
     """ZeRO-3's evaluation runs the model unit by unit like its training step: one all-gather
     per parameter tensor, never the whole model in one, and DDP's numbers."""
@@ -306,38 +310,39 @@ UNIT_MODELS = {
 @pytest.mark.parametrize("arch", UNIT_MODELS)
 def test_units_compose_to_the_model(arch, train):
     """ZeRO-3's unit-by-unit forward (gather on use, then the unit applied unbound, its BN stats
-    written back) is model.apply bit for bit: logits, BN running stats and the gradient."""
+    written back) is model.apply bit for bit: logits, BN running stats and (training) the gradient."""
     model = UNIT_MODELS[arch]()
     size = 32 if arch == "bottleneck" else 8
-    variables = init(model, size=size)
+    variables = numpy_init(model, size=size)  # any values do: both sides read the same (and it compiles nothing)
     x, y = random_batch(4, size=size)
     composed, paths, ran = compose_units(model, fsdp_units(model), train, size)
     blocks = [p for p in paths if p[0].startswith("layer")]
     assert paths == blocks and len(blocks) == (5 if arch == "bottleneck" else 4)
+    plain = functools.partial(model.apply, train=train, mutable=["batch_stats"] if train else False)
+    if not train:  # evaluation has no backward
+        got, want = jax.jit(composed)(variables, x), jax.jit(plain)(variables, x)
+        assert ran == paths  # each unit ran through the gather, once, in order (traced once)
+        np.testing.assert_array_equal(got, want)
+        return
 
     def loss(apply, v):
-        out = apply(v, x)
-        logits = out[0] if train else out
-        return (logits * jax.nn.one_hot(y, 10)).sum(), out
+        logits, updated = apply(v, x)
+        return (logits * jax.nn.one_hot(y, 10)).sum(), (logits, updated)
 
-    plain = functools.partial(model.apply, train=train, mutable=["batch_stats"] if train else False)
     (_, want), want_grads = jax.jit(jax.value_and_grad(lambda v: loss(plain, v), has_aux=True))(variables)
     (_, got), got_grads = jax.jit(jax.value_and_grad(lambda v: loss(composed, v), has_aux=True))(variables)
-    assert ran == paths  # each unit ran through the gather, once, in order (traced once)
-    if train:
-        np.testing.assert_array_equal(got[0], want[0])
-        assert jax.tree_util.tree_structure(got[1]) == jax.tree_util.tree_structure(want[1])
-        assert max_rel_error(got[1]["batch_stats"], want[1]["batch_stats"]) == 0
-        assert max_rel_error(got[1]["batch_stats"], variables["batch_stats"]) > 0  # the stats did move
-    else:
-        np.testing.assert_array_equal(got, want)
+    assert ran == paths
+    np.testing.assert_array_equal(got[0], want[0])
+    assert jax.tree_util.tree_structure(got[1]) == jax.tree_util.tree_structure(want[1])
+    assert max_rel_error(got[1]["batch_stats"], want[1]["batch_stats"]) == 0
+    assert max_rel_error(got[1]["batch_stats"], variables["batch_stats"]) > 0  # the stats did move
     assert max_rel_error(got_grads["params"], want_grads["params"]) == 0
 
 
 def test_units_by_path_pattern_compose_to_the_model():
     """Units named by path (here the stages, ``layer*``) work the same as by class."""
     model = UNIT_MODELS["basic"]()
-    variables = init(model)
+    variables = numpy_init(model)
     x = random_batch(4)[0]
     composed, paths, ran = compose_units(model, ("layer*",), True)
     assert paths == [("layer1",), ("layer2",), ("layer3",), ("layer4",)]
