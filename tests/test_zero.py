@@ -16,6 +16,7 @@ import ast  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -441,6 +442,9 @@ def test_strategies_name_no_model():
     assert {f.name for f in files} >= {"__init__.py", "base.py", "zero.py", "ddp.py", "units.py", "layout.py"}
     hits = [hit for path in files for hit in model_names_in(path.read_text(), path.name)]
     assert hits == []
+    # And the plain grep: not even a comment names one.
+    pattern = re.compile(r"resnet|\bvit\b|vit-|basicblock|bottleneck|encoderblock", re.IGNORECASE)
+    assert [f"{path.name}: {m.group(0)}" for path in files for m in pattern.finditer(path.read_text())] == []
 
 
 # ----------------------------------------------------------------------------- options
