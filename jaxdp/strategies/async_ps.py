@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
-from jaxdp.strategies.sync import AllReduce, SyncError
+from jaxdp.strategies.sync import AllReduce
 
 
 class AsyncPS(Strategy):
@@ -68,10 +68,7 @@ class AsyncPS(Strategy):
         if compress == "powersgd":
             raise StrategyError("async does not combine with powersgd: the server averages plain gradients "
                                 "(bf16/fp16 compression works)")
-        try:
-            self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress)
-        except SyncError as e:
-            raise StrategyError(str(e)) from None
+        self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress)
         self.check_vma = allreduce != "ring"
         self.staleness = staleness
         self.staleness_seed = staleness_seed

@@ -20,8 +20,8 @@ momentum, 8 for Adam). Traffic: all-reduce Ψ = 2Ψ·(N-1)/N per device.
 import jax
 import optax
 
-from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
-from jaxdp.strategies.sync import AllReduce, SyncError
+from jaxdp.strategies.base import Strategy, ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.sync import AllReduce
 
 
 class DDP(Strategy):
@@ -31,11 +31,8 @@ class DDP(Strategy):
     def __init__(self, model, task, tx, mesh, *, bucket_cap_mb=None, allreduce: str = "psum", compress=None,
                  powersgd_rank: int = 1, powersgd_options=None, **kwargs):
         super().__init__(model, task, tx, mesh, **kwargs)
-        try:
-            self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
-                                  powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
-        except SyncError as e:
-            raise StrategyError(str(e)) from None
+        self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
+                              powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
         # A ring sum comes out of ppermutes, which JAX types as "varying" although every
         # device holds the same value, and there is no cast back to replicated: so the
         # ring step is traced with check_vma=False (gradients stay local: see base.py).

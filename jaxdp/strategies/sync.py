@@ -21,10 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import collectives, compression
 from jaxdp.strategies import buckets
+from jaxdp.strategies.base import StrategyError
 
 
-class SyncError(ValueError):
-    """A gradient-synchronisation option that does not exist."""
+class SyncError(StrategyError):
+    """A gradient-synchronisation option that does not exist (a strategy option error)."""
 
 
 class AllReduce:

@@ -46,7 +46,7 @@ from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
-from jaxdp.strategies.sync import AllReduce, SyncError
+from jaxdp.strategies.sync import AllReduce
 from jaxdp.strategies.units import Units, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 TWINS = {1: "ZeroRedundancyOptimizer", 2: "fully_shard(reshard_after_forward=False)", 3: "fully_shard"}
@@ -88,11 +88,8 @@ class ZeRO(Strategy):
         elif mesh_shape is not None:
             raise StrategyError("mesh_shape is hsdp's (replicas, shards)")
         super().__init__(model, task, tx, mesh, **kwargs)
-        try:
-            self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
-                                  powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
-        except SyncError as e:
-            raise StrategyError(str(e)) from None
+        self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
+                              powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
         self.check_vma = allreduce != "ring"
         self.units = Units(units)
         self.unit_paths = None
