@@ -243,9 +243,8 @@ class Strategy:
         """
         self._need_shapes()
         replicated = NamedSharding(self.mesh, P())
-        convert = self._unpadder()
-        return jax.jit(convert, out_shardings=jax.tree_util.tree_map(
-            lambda _: replicated, jax.eval_shape(convert, state)))(state)
+        return self._converted("canonical", self._unpadder, state,
+                               lambda out: jax.tree_util.tree_map(lambda _: replicated, out))
 
     def from_canonical(self, state: TrainState) -> TrainState:
         """DDP's layout (full tensors, e.g. from torch or a single device) -> this strategy's, on this mesh."""
@@ -253,8 +252,7 @@ class Strategy:
         if state.extra is None and self.init_extra(self.shapes) is not None:
             state = state.replace(extra=self.init_extra(self.shapes))
         state = jax.device_put(state, NamedSharding(self.mesh, P()))  # a plain transfer first
-        convert = self._padder()
-        return jax.jit(convert, out_shardings=self.state_shardings(jax.eval_shape(convert, state)))(state)
+        return self._converted("from_canonical", self._padder, state, self.state_shardings)
 
     def init_state(self, variables) -> TrainState:
         """A state from given full variables (``{"params": ..., "batch_stats": ...}``): tests and parity."""
@@ -281,6 +279,18 @@ class Strategy:
                 params=jax.tree_util.tree_map(lambda x, f: layout.unpad(x, f.shape), s.params, self.shapes),
                 opt_state=jax.tree_util.tree_unflatten(treedef, [layout.unpad(x, f.shape) for x, f in zip(opt, full_opt)]))
         return convert
+
+    def _converted(self, kind: str, make_convert, state, out_shardings):
+        """``make_convert()(state)`` under one jit per (kind, state structure and shapes), placed by
+        ``out_shardings(abstract output)``. Cached: parity reads the canonical state every step,
+        and a fresh closure would recompile each time."""
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        key = (kind, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
+        cache = self.__dict__.setdefault("_conversions", {})
+        if key not in cache:
+            convert = make_convert()
+            cache[key] = jax.jit(convert, out_shardings=out_shardings(jax.eval_shape(convert, state)))
+        return cache[key](state)
 
     def _need_shapes(self):
         if self.shapes is None:
@@ -317,19 +327,21 @@ class Strategy:
     def stored(self, state: TrainState) -> TrainState:
         """This strategy's state -> the checkpoint layout: no device gathers anything whole."""
         self._need_shapes()
-        convert = self._storer()
-        return jax.jit(convert, out_shardings=self.stored_shardings(jax.eval_shape(convert, state)))(state)
+        return self._converted("stored", self._storer, state, self.stored_shardings)
 
     def from_stored(self, stored: TrainState) -> TrainState:
         """The checkpoint layout -> this strategy's state (at this strategy's device count)."""
         self._need_shapes()
-        pad = self._padder()
 
-        def convert(s):
-            if self.sync is not None:
-                s = s.replace(extra=self.sync.from_stored(s.extra, self.num_devices))
-            return pad(s)
-        return jax.jit(convert, out_shardings=self.state_shardings(jax.eval_shape(convert, stored)))(stored)
+        def make():
+            pad = self._padder()
+
+            def convert(s):
+                if self.sync is not None:
+                    s = s.replace(extra=self.sync.from_stored(s.extra, self.num_devices))
+                return pad(s)
+            return convert
+        return self._converted("from_stored", make, stored, self.state_shardings)
 
     def stored_target(self, state: TrainState):
         """Shapes, dtypes and shardings of ``stored(state)``, computing nothing: what a restore fills."""
