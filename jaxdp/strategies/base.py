@@ -222,8 +222,13 @@ class Strategy:
             return (_pad_tree(params, n) if padded else params), variables
 
         shapes = jax.eval_shape(make, jax.random.key(0))
-        init_params = jax.jit(make, out_shardings=(self._leaf_shardings(shapes[0], padded),
-                                                   NamedSharding(self.mesh, P())))
+        key = _init_key(self, batch)
+        init_params = _INIT_PROGRAMS.get(key) if key is not None else None
+        if init_params is None:
+            init_params = jax.jit(make, out_shardings=(self._leaf_shardings(shapes[0], padded),
+                                                       NamedSharding(self.mesh, P())))
+            if key is not None:
+                _INIT_PROGRAMS[key] = init_params
         # ZeRO-1/2 keep full params but give the optimizer padded chunks.
         pad_for_opt = self.sharded_opt_state and not padded
         opt_init = (lambda p: self.tx.init(_pad_tree(p, n))) if pad_for_opt else self.tx.init
@@ -284,6 +289,11 @@ class Strategy:
         """``make_convert()(state)`` under one jit per (kind, state structure and shapes), placed by
         ``out_shardings(abstract output)``. Cached: parity reads the canonical state every step,
         and a fresh closure would recompile each time."""
+        if not (self.sharded_params or self.sharded_opt_state) and kind in ("canonical", "from_canonical"):
+            # Nothing to pad or cut (DDP, async): a copy placed as asked, no program to compile.
+            out = jax.tree_util.tree_map(jnp.copy, state)
+            return jax.device_put(out, out_shardings(layout.shapes_of(out)) if kind == "from_canonical"
+                                  else NamedSharding(self.mesh, P()), may_alias=False)
         leaves, treedef = jax.tree_util.tree_flatten(state)
         key = (kind, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
         cache = self.__dict__.setdefault("_conversions", {})
@@ -426,6 +436,25 @@ def _full_specs(specs, tree):
     of ``tree``, so the result pairs leaf by leaf with ``tree`` (``abstract_state``, ``stored_target``)."""
     return jax.tree_util.tree_map(lambda spec, sub: jax.tree_util.tree_map(lambda _: spec, sub), specs, tree,
                                   is_leaf=lambda x: isinstance(x, P))
+
+
+# model.init's random samplers take XLA seconds to compile; a process that builds the same
+# model on the same mesh again (a resume, a second run, tests) reuses the program.
+_INIT_PROGRAMS: Dict[Any, Any] = {}
+
+
+def _init_key(strategy, batch):
+    """What the params-init program depends on, or None when some part is not hashable."""
+    task = strategy.task
+    key = (strategy.model, type(task), getattr(task, "model_inputs", None),
+           tuple(sorted(getattr(task, "init_kwargs", {}).items())),
+           jax.tree_util.tree_structure(batch), tuple((x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves(batch)),
+           strategy.sharded_params, strategy.shards, strategy.axis, strategy.mesh)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _pad_tree(tree, n):
