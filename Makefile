@@ -20,8 +20,10 @@ $(VENV)/.installed: pyproject.toml
 train: install
 	$(BIN)/jaxdp train $(QUICKSTART_ARGS)
 
+# Two workers (pytest-xdist): the suite's time is mostly single-threaded XLA compiles and
+# torch launches, so 2 cores run it in ~55% of the serial time.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # JAX's CUDA build on top of the dev install (torch's default Linux wheel already has CUDA).
 install-gpu: $(VENV)/.installed-gpu

@@ -1,11 +1,16 @@
 """Test set-up shared by tests/ and parity_tests/.
 
 XLA reads the simulated-device flag when jax is first imported, so it is set
-here, before any test module imports jax. float64 is enabled for the tight
-parity checks; float32 paths use explicit dtypes and are unaffected.
+here, before any test module imports jax.
+
+64-bit types: off, as in a user's float32 program, except in tests marked ``float64``
+(the exact comparisons). The parity runner and ``jaxdp train --dtype float64`` turn them
+on themselves; the setting is restored after every test, so none leaks into the next.
 """
 
 import os
+
+import pytest
 
 # Tests run tiny models, so XLA's compile time dominates; backend optimisation level 0
 # cuts the suite's CPU time by ~40% (measured: test_ddp 135 s -> 85 s). Results stay
@@ -26,4 +31,11 @@ os.environ.setdefault("JAXDP_TORCH_BACKEND", "gloo")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
+
+@pytest.fixture(autouse=True)
+def _x64_only_where_marked(request):
+    """Global (not a context manager): threads a test starts, e.g. the data prefetcher, see it too."""
+    before = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", request.node.get_closest_marker("float64") is not None)
+    yield
+    jax.config.update("jax_enable_x64", before)

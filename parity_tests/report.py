@@ -96,9 +96,10 @@ def header(result) -> List[str]:
         f"parity: jaxdp {cfg.strategy} {j['jaxdp']['options'] or ''} on {cfg.devices} device(s)"
         f"  <->  torch_ref {p.torch_strategy} on {p.world} rank(s) ({j['torch']['backend']})",
         f"  twin: {p.pair.twin}",
-        f"  {cfg.model} width {cfg.width} blocks {cfg.blocks} {cfg.dtype}, {cfg.image_size}x{cfg.image_size}, "
+        f"  {cfg.model_summary()} {cfg.dtype}, {cfg.image_size}x{cfg.image_size}, "
         f"{cfg.batch_per_device}/device, accum {cfg.accum}, sync_bn {cfg.sync_bn}, "
-        f"{cfg.optimizer} lr {cfg.lr} ({cfg.schedule}), {cfg.steps} steps",
+        f"{cfg.optimizer} lr {cfg.lr} ({cfg.schedule}), {cfg.steps} steps, jax x64 "
+        f"{({True: 'on', False: 'off'}).get(p.jax_x64, '?')}",
         f"  bounds: {result.comparison.bounds.name} (rel err = max|jax - torch| / max|torch| per tensor)",
         devices_line(p),
     ]
@@ -198,7 +199,7 @@ def plot(result, path: str) -> str:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlim(-0.5, steps[-1] + 0.5 if steps else 0.5)
     fig.suptitle(f"parity: jaxdp {cfg.strategy} vs torch_ref {result.plan.torch_strategy}, "
-                 f"{cfg.model} width {cfg.width}, N={cfg.devices}, {cfg.optimizer}: {status}", fontsize=10)
+                 f"{cfg.model_summary()}, N={cfg.devices}, {cfg.optimizer}: {status}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

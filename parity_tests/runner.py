@@ -108,6 +108,12 @@ class ParityConfig:
     width: int = 4
     blocks: Optional[Tuple[int, ...]] = (1, 1, 1, 1)
     stem: str = "cifar"
+    # ViT sizes (None keeps the named model's); image_size below sets its position embeddings
+    depth: Optional[int] = None
+    dim: Optional[int] = None
+    heads: Optional[int] = None
+    mlp_dim: Optional[int] = None
+    patch: Optional[int] = None
     num_classes: int = 10
     dtype: str = "float64"
     # run
@@ -143,6 +149,23 @@ class ParityConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def model_options(self) -> Dict[str, Any]:
+        """The options of this model's family, as both ``create_model``s take them."""
+        from jaxdp.models import family
+
+        sizes = dict(depth=self.depth, dim=self.dim, heads=self.heads, mlp_dim=self.mlp_dim, patch=self.patch)
+        if family(self.model) == "resnet":
+            given = [k for k, v in sizes.items() if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} size a ViT, not {self.model}")
+            return dict(width=self.width, blocks=tuple(self.blocks) if self.blocks else None, stem=self.stem)
+        return {**{k: v for k, v in sizes.items() if v is not None}, "image_size": self.image_size}
+
+    def model_summary(self) -> str:
+        """'resnet18 width 4 blocks (1, 1, 1, 1)' or 'vit-tiny depth 2 dim 16 ...' for reports."""
+        opts = {k: v for k, v in self.model_options().items() if k not in ("stem", "image_size")}
+        return " ".join([self.model, *(f"{k} {v}" for k, v in opts.items())])
 
 
 @dataclass(frozen=True)
@@ -232,12 +255,13 @@ class Plan:
     powersgd_q: Optional[Dict[str, np.ndarray]] = None  # torch name -> initial Q
     backend: str = "gloo"           # the torch process group's: nccl (cuda:r per rank) or gloo (CPU)
     torch_ranks: Optional[List[dict]] = None  # each torch rank's launcher.rank_info, once it ran
+    jax_x64: Optional[bool] = None  # whether jaxdp's side ran with 64-bit types, once it ran
 
     def to_json(self) -> dict:
         tc = {k: v for k, v in self.torch_config.items() if k != "powersgd_q"}
         return {"jaxdp": {"strategy": self.cfg.strategy, "options": _jsonable(self.jax_options),
                           "devices": self.cfg.devices, "accum_steps": self.cfg.accum,
-                          "sync_bn": self.cfg.sync_bn},
+                          "sync_bn": self.cfg.sync_bn, "x64": self.jax_x64},
                 "torch": {"strategy": self.torch_strategy, "world": self.world,
                           "full_batch": self.full_batch, "config": _jsonable(tc),
                           "backend": self.backend},
@@ -256,6 +280,10 @@ def plan(cfg: ParityConfig) -> Plan:
         raise ParityError(f"no torch twin registered for strategy {cfg.strategy!r}; pairs: "
                           f"{', '.join(PAIRS)} (add a row to parity_tests.runner.PAIRS)")
     pair = PAIRS[cfg.strategy]
+    try:
+        cfg.model_summary()  # an unknown model, or an option of the other family, is the user's
+    except ValueError as e:
+        raise ParityError(str(e)) from None
     if cfg.dtype not in ("float32", "float64"):
         raise ParityError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
     if cfg.steps < 1 or cfg.devices < 1 or cfg.accum < 1 or cfg.batch_per_device < 1:
@@ -280,8 +308,7 @@ def plan(cfg: ParityConfig) -> Plan:
     jax_options = {OPTIONS[n].jax: getattr(cfg, n) for n in pair.options
                    if getattr(cfg, n) != OPTIONS[n].default}
     tcfg: Dict[str, Any] = dict(
-        strategy=torch_strategy, model=cfg.model, width=cfg.width,
-        blocks=tuple(cfg.blocks) if cfg.blocks else None, stem=cfg.stem,
+        strategy=torch_strategy, model=cfg.model, **cfg.model_options(),
         num_classes=cfg.num_classes, dtype=cfg.dtype, optimizer=cfg.optimizer, lr=cfg.lr,
         momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
         betas=tuple(cfg.betas), eps=cfg.eps, schedule=cfg.schedule,
@@ -371,14 +398,13 @@ def _leaf(torch_name: str) -> str:
 # ----------------------------------------------------------------------------- inputs
 
 def torch_model(cfg: ParityConfig):
-    """The torch-initialised model (float32, CPU): torchvision's init under ``manual_seed(seed)``."""
+    """The torch-initialised model (float32, CPU): its family's torch init under ``manual_seed(seed)``."""
     import torch
 
-    from torch_ref.models import resnet
+    from torch_ref.models import create_model
 
     torch.manual_seed(cfg.seed)
-    return resnet(cfg.model, num_classes=cfg.num_classes, width=cfg.width,
-                  blocks=tuple(cfg.blocks) if cfg.blocks else None, stem=cfg.stem)
+    return create_model(cfg.model, num_classes=cfg.num_classes, **cfg.model_options())
 
 
 def init_state_dict(cfg: ParityConfig) -> Dict[str, np.ndarray]:
@@ -453,7 +479,7 @@ def configure_precision(cuda: bool) -> None:
 
 def jax_strategy(p: Plan, variables=None):
     """The jaxdp strategy for the plan (model, classifier task, optimizer, mesh), ``return_grads=True``.
-    zero3/hsdp shard per FSDP unit, the model's own (``fsdp_units``: the ResNet's blocks), as
+    zero3/hsdp shard per FSDP unit, the model's own (``fsdp_units``: residual or encoder blocks), as
     torch_ref's FSDP2 twin ``fully_shard``s every block and then the root."""
     from jaxdp.mesh import make_mesh
     from jaxdp.models import create_model, fsdp_units
@@ -462,9 +488,7 @@ def jax_strategy(p: Plan, variables=None):
     from jaxdp.task import classifier
 
     cfg = p.cfg
-    model = create_model(cfg.model, num_classes=cfg.num_classes, width=cfg.width,
-                         blocks=tuple(cfg.blocks) if cfg.blocks else None, stem=cfg.stem,
-                         dtype=cfg.dtype)
+    model = create_model(cfg.model, num_classes=cfg.num_classes, dtype=cfg.dtype, **cfg.model_options())
     lr = (cfg.lr if cfg.schedule == "constant" and cfg.warmup_steps == 0 else
           make_schedule(cfg.schedule, cfg.lr, p.torch_config["total_steps"], warmup_steps=cfg.warmup_steps))
     tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
@@ -477,14 +501,23 @@ def jax_strategy(p: Plan, variables=None):
 
 def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
             batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
-    """K jaxdp steps; one record per step in torch_ref's format (torch names and layouts)."""
+    """K jaxdp steps; one record per step in torch_ref's format (torch names and layouts).
+    64-bit types exist only in a float64 run: a float32 run traces with x64 off, as a user's
+    float32 program would (int32 indices, float32 constants), whatever the caller's setting."""
+    import jax
+
+    with jax.enable_x64(p.cfg.dtype == "float64"):
+        p.jax_x64 = bool(jax.config.jax_enable_x64)
+        return _jax_steps(p, state_dict, batches)
+
+
+def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
+               batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
     import jax
 
     from jaxdp.interop import tree_to_torch_names, variables_from_state_dict
     from jaxdp.optim import torch_optimizer_state
 
-    if p.cfg.dtype == "float64" and not jax.config.jax_enable_x64:
-        jax.config.update("jax_enable_x64", True)
     variables = variables_from_state_dict(state_dict, dtype=p.cfg.dtype)
     strategy = jax_strategy(p)
     state = strategy.init_state(variables)
@@ -510,7 +543,7 @@ def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
             "loss_per_rank": [float(x) for x in np.asarray(metrics["loss_per_device"])],
             "grads": tree_to_torch_names(metrics["grads"]),
             "params": tree_to_torch_names(canon.params),
-            "buffers": tree_to_torch_names(canon.model_state["batch_stats"], "batch_stats"),
+            "buffers": tree_to_torch_names(canon.model_state.get("batch_stats", {}), "batch_stats"),
             "optimizer_state": opt_named,
         })
     return records
@@ -696,10 +729,13 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--staleness", type=int, default=d.staleness, help="async: only 0 has a torch twin")
     g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d.model, help="resnet18 | resnet34 | resnet50")
-    g.add_argument("--width", type=int, default=d.width, help="channels of the first stage (64 = torchvision)")
-    g.add_argument("--blocks", type=_ints, default=d.blocks, help="blocks per stage, e.g. 1,1,1,1 or 2,2,2,2")
-    g.add_argument("--stem", default=d.stem, help="cifar | imagenet")
+    g.add_argument("--model", default=d.model, help="resnet18 | resnet34 | resnet50 | vit-tiny | vit-small")
+    g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
+    g.add_argument("--blocks", type=_ints, default=d.blocks, help="ResNet: blocks per stage, e.g. 1,1,1,1 or 2,2,2,2")
+    g.add_argument("--stem", default=d.stem, help="ResNet: cifar | imagenet")
+    for size in ("depth", "dim", "heads", "mlp_dim", "patch"):
+        g.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
+                       help=f"ViT: {size} (default: the named model's)")
     g.add_argument("--dtype", default=d.dtype, help="float64 (tight: 1e-10) | float32 (measured-noise bounds)")
     g.add_argument("--steps", type=int, default=d.steps)
     g.add_argument("--batch-per-device", type=int, default=d.batch_per_device)

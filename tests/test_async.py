@@ -18,7 +18,7 @@ from jaxdp.strategies.async_ps import AsyncPS  # noqa: E402
 from jaxdp.strategies.ddp import DDP  # noqa: E402
 from jaxdp.task import classifier, cross_entropy  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
+pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
 STEPS = 6
 

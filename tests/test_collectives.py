@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxdp.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: E402
 from jaxdp.mesh import make_mesh  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
+pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
 LENGTH = 37  # odd, and not a multiple of any N in 3..8: every case pads
 

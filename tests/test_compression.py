@@ -24,7 +24,7 @@ from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
 from jaxdp.task import classifier, cross_entropy  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
+pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
 BF16, F16 = ml_dtypes.bfloat16, np.float16
 

@@ -11,6 +11,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import pytest  # noqa: E402
 from helpers import TinyBNNet, TinyConvNet, as_batch, max_rel_error, numpy_init as init, random_batch  # noqa: E402
 
 from jaxdp.mesh import make_mesh  # noqa: E402
@@ -18,7 +19,7 @@ from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
 from jaxdp.task import classifier  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
+pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
 
 def reference_data_parallel(model, variables, tx, batches, n):

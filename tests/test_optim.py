@@ -6,9 +6,6 @@ differently, which is a few ulp of the *tensor's* scale, not of each element).
 """
 
 import jax
-
-jax.config.update("jax_enable_x64", True)
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -25,6 +22,8 @@ from jaxdp.optim import (  # noqa: E402
     torch_lr_lambda,
     torch_optimizer_state,
 )
+
+pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
 TOL = 1e-12
 STEPS = 20

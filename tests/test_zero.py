@@ -19,9 +19,6 @@ import pathlib  # noqa: E402
 import re  # noqa: E402
 
 import jax  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -52,6 +49,8 @@ OPTIMIZERS = {
 # Each optimizer also runs one BN/accumulation mode, so every strategy sees both
 # BN modes and accumulation without compiling more programs (a compile is ~5 s of CPU).
 MODES = {"sgd": dict(accum_steps=2, sync_bn=True), "adam": dict(accum_steps=1, sync_bn=False)}
+
+pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
 
 def batches_for(n):
@@ -513,6 +512,28 @@ def test_hsdp_mesh_options():
         make("hsdp", model, tx, 8, mesh_shape=(3, 2))
     with pytest.raises(StrategyError, match="mesh_shape"):
         make("zero3", model, tx, 8, mesh_shape=(2, 4))
+
+
+def test_hsdp_default_mesh_is_hosts_by_devices_per_host(monkeypatch):
+    """Multi-host: one replica per host, shards within it (a row of the mesh is a host), in
+    jaxdp and in torch_ref alike; one host: (2, N/2), odd N (1, N)."""
+    from types import SimpleNamespace
+
+    from jaxdp.strategies.zero import default_hsdp_shape
+    from torch_ref.strategies import hsdp_mesh_shape
+
+    def host_devices(hosts, per_host):
+        return [SimpleNamespace(process_index=h, id=h * per_host + i) for h in range(hosts) for i in range(per_host)]
+
+    assert default_hsdp_shape(host_devices(2, 4)) == (2, 4)
+    assert default_hsdp_shape(host_devices(4, 2)) == (4, 2)
+    assert default_hsdp_shape(host_devices(3, 8)) == (3, 8)
+    assert default_hsdp_shape(host_devices(1, 8)) == (2, 4)
+    assert default_hsdp_shape(host_devices(1, 3)) == (1, 3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun: 3 nodes of 8 ranks
+    assert hsdp_mesh_shape(None, 24) == (3, 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert hsdp_mesh_shape(None, 8) == (2, 4) and hsdp_mesh_shape(None, 3) == (1, 3)
 
 
 # ----------------------------------------------------------------------------- checkpoints

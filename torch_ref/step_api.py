@@ -11,7 +11,9 @@ Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)
 ``config`` keys (``DEFAULTS`` lists them with their defaults; unknown keys are refused):
 
 - ``strategy``: dp | ddp | zero1 | zero2 | zero3 | hsdp
-- model: ``model``, ``width``, ``blocks``, ``stem``, ``num_classes``; ``dtype``: float32 |
+- model: ``model``, ``num_classes`` and its family's options (``torch_ref.models.create_model``):
+  ``width``, ``blocks``, ``stem`` for a ResNet; ``depth``, ``dim``, ``heads``, ``mlp_dim``,
+  ``patch``, ``image_size`` for a ViT (None: the named size); ``dtype``: float32 |
   float64 (``model.double()``) | bfloat16 (fp32 params, bf16 compute: FSDP2
   ``MixedPrecisionPolicy`` on CUDA, ``torch.autocast`` otherwise)
 - optimizer: ``optimizer`` (sgd | adam | adamw), ``lr``, ``momentum``, ``nesterov``,
@@ -48,12 +50,13 @@ import torch.nn.functional as F
 
 from torch_ref import dist as tdist
 from torch_ref import strategies
-from torch_ref.models import resnet
+from torch_ref.models import create_model
 from torch_ref.strategies import StrategyError
 
 DEFAULTS: Dict[str, Any] = {
     "strategy": "ddp",
     "model": "resnet18", "width": 64, "blocks": None, "stem": "cifar", "num_classes": 10,
+    "depth": None, "dim": None, "heads": None, "mlp_dim": None, "patch": None, "image_size": None,
     "dtype": "float32",
     "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0,
     "betas": (0.9, 0.999), "eps": 1e-8,
@@ -65,6 +68,8 @@ DEFAULTS: Dict[str, Any] = {
 }
 ALIASES = {"comm_hook": "compress"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+
+_MODEL_KEYS = ("width", "blocks", "stem", "depth", "dim", "heads", "mlp_dim", "patch", "image_size")
 
 # config key -> the wrap() option it feeds, for the strategies that take it.
 _STRATEGY_KEYS = ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter",
@@ -204,8 +209,8 @@ def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]
     device = tdist.device()
     torch.manual_seed(cfg["seed"])
     try:
-        model = resnet(cfg["model"], num_classes=cfg["num_classes"], width=cfg["width"],
-                       blocks=cfg["blocks"], stem=cfg["stem"])
+        model = create_model(cfg["model"], num_classes=cfg["num_classes"],
+                             **{k: cfg[k] for k in _MODEL_KEYS})
     except ValueError as e:  # unknown model or stem, bad width or blocks: say which
         raise StrategyError(str(e)) from None
     model = model.to(device=device, dtype=DTYPES[cfg["dtype"]])

@@ -175,14 +175,17 @@ def zero3(model: nn.Module, **options) -> nn.Module:
 
 
 def hsdp_mesh_shape(mesh_shape: Optional[Sequence[int]], world: int) -> Tuple[int, int]:
-    """(replicas, shards). Default: shard within a node, replicate across nodes
-    (torchrun's LOCAL_WORLD_SIZE ranks per node); on one node that is (1, world)."""
+    """(replicas, shards). Default, as jaxdp's (``zero.default_hsdp_shape``): shard within a
+    node, replicate across nodes (torchrun's LOCAL_WORLD_SIZE ranks per node); on one node
+    (2, world/2), so HSDP differs from FSDP (odd world: (1, world))."""
     import os
 
     if mesh_shape is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         local = local if local >= 1 and world % local == 0 else world
-        return world // local, local
+        if local < world:
+            return world // local, local
+        return (2, world // 2) if world % 2 == 0 else (1, world)
     shape = tuple(int(s) for s in mesh_shape)
     if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != world:
         raise StrategyError(f"mesh_shape {tuple(mesh_shape)} must be (replicas, shards) with "

@@ -208,15 +208,26 @@ class ZeRO(Strategy):
         return [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, self.sync.limits)]
 
 
+def default_hsdp_shape(devices) -> tuple:
+    """(replicas, shards) when the user names none: shard within a host and replicate across
+    hosts, so the frequent reduce-scatters and gathers stay on a host's fast links (torch's
+    HSDP recipe: one shard group per node). On one host: (2, N/2), so that HSDP differs from
+    ZeRO-3 (odd N: (1, N))."""
+    hosts = len({d.process_index for d in devices})
+    if hosts > 1:
+        return hosts, len(devices) // hosts
+    n = len(devices)
+    return (2, n // 2) if n % 2 == 0 else (1, n)
+
+
 def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
-    """The (replicas, shards) mesh over ``mesh``'s devices, in their order."""
+    """The (replicas, shards) mesh over ``mesh``'s devices, host by host (one host's devices
+    are consecutive, so a row of the default mesh is a host)."""
     if mesh_shape is None and tuple(mesh.axis_names) == (REPLICA_AXIS, DATA_AXIS):
         return mesh
-    devices = np.asarray(mesh.devices).reshape(-1)
+    devices = np.asarray(sorted(np.asarray(mesh.devices).reshape(-1), key=lambda d: d.process_index))  # stable
     n = devices.size
-    if mesh_shape is None:
-        mesh_shape = (2, n // 2) if n % 2 == 0 else (1, n)
-    mesh_shape = tuple(int(d) for d in mesh_shape)
+    mesh_shape = tuple(int(d) for d in (mesh_shape or default_hsdp_shape(devices)))
     if len(mesh_shape) != 2 or min(mesh_shape) < 1 or mesh_shape[0] * mesh_shape[1] != n:
         raise StrategyError(f"hsdp mesh_shape {mesh_shape} must be two positive sizes R,S with R*S = {n} devices")
     return Mesh(devices.reshape(mesh_shape), (REPLICA_AXIS, DATA_AXIS))
