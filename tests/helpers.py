@@ -1,5 +1,8 @@
 """Small shared pieces for the tests: tiny models, random batches, tree comparison."""
 
+import re
+from collections import Counter
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -92,3 +95,24 @@ def max_rel_error(a, b):
         a, b,
     )
     return max(jax.tree_util.tree_leaves(errs), default=0.0)
+
+
+def collectives_in_loops(hlo: str):
+    """Collectives of a compiled program, split by where they run:
+    ({op: count inside while-loop bodies}, {op: count elsewhere}). With accumulation the
+    micro-batches compile to a loop, so what is inside runs once per micro-batch."""
+    per_computation, bodies, current = {}, set(), None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header and not line.startswith(" "):
+            current = header.group(1)
+            per_computation[current] = Counter()
+        elif current:
+            op = re.search(r"=.*\s(all-reduce|reduce-scatter|all-gather)(?:-start)?\(", line)
+            if op:  # a bucket's result may be a tuple
+                per_computation[current][op.group(1)] += 1
+        bodies.update(re.findall(r"body=%?([\w.\-]+)", line))
+    inside, outside = Counter(), Counter()
+    for name, ops in per_computation.items():
+        (inside if name in bodies else outside).update(ops)
+    return dict(inside), dict(outside)

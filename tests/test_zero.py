@@ -21,8 +21,9 @@ import re  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import pytest  # noqa: E402
-from helpers import TinyConvNet, as_batch, init, max_rel_error, numpy_init, random_batch, run_steps  # noqa: E402
+from helpers import TinyConvNet, as_batch, collectives_in_loops, init, max_rel_error, numpy_init, random_batch, run_steps  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxdp.strategies  # noqa: E402
@@ -499,6 +500,36 @@ def test_zero2_and_zero3_refuse_all_reduce_hooks():
         make("zero3", model, tx, N, bucket_cap_mb=1.0)  # zero3 moves per unit
     with pytest.raises(StrategyError, match="bucket_cap_mb"):
         ZeRO(model, classifier(model), tx, make_mesh(N), stage=3, bucket_cap_mb=1.0)
+
+
+# How often each stage reduces gradients with K = 4 micro-batches, from the compiled HLO.
+# Stages 1 and 2 accumulate the local gradient and reduce once per update (DDP's no_sync).
+# Stage 3 and HSDP reduce-scatter every micro-batch (inside the loop): one reduction per
+# update would need a full local gradient to accumulate into, the 4Ψ ZeRO-3 removes.
+# HSDP's all-reduce across replicas still runs once per update, on the summed chunks.
+ONCE_PER_UPDATE = {"zero1": (), "zero2": (), "zero3": ("reduce-scatter",), "hsdp": ("reduce-scatter",)}
+
+
+@pytest.mark.parametrize("name", list(ONCE_PER_UPDATE))
+def test_accumulation_reduces_as_documented(name):
+    model = TinyConvNet()
+    variables = {"batch_stats": {}, **init(model)}
+    x, y = random_batch(32)
+
+    def collectives(k):
+        strategy = make(name, model, optax.sgd(0.1), 4, accum_steps=k)
+        state = strategy.init_state(variables)
+        return collectives_in_loops(strategy.lower_step(state, strategy.shard_batch(as_batch(x, y))).compile().as_text())
+
+    (inside_1, outside_1), (inside_4, outside_4) = collectives(1), collectives(4)
+    per_micro_batch = ONCE_PER_UPDATE[name]
+    assert inside_1 == {}
+    assert set(inside_4) == set(per_micro_batch)  # nothing else runs per micro-batch
+    for op in per_micro_batch:  # each unit's reduce-scatter, for every micro-batch
+        assert inside_4[op] == outside_1[op] > 0
+    once = {op: c for op, c in outside_1.items() if op not in per_micro_batch}
+    assert {op: c for op, c in outside_4.items() if op not in per_micro_batch} == once
+    assert once.get("all-reduce", 0) >= (2 if name == "hsdp" else 1)  # the metrics; hsdp: + the replicas'
 
 
 def test_hsdp_mesh_options():
