@@ -22,7 +22,7 @@ For every (N, strategy) row, in one invocation:
   ``Runner.step(collect=False)`` itself: barrier, ``perf_counter``, step (which ends with an
   all-gather of the losses, so every rank has finished), ``perf_counter``. Rank 0's
   times are reported; process start, imports and wrapping are outside the timed steps.
-  ``async`` has no torch twin: its torch columns are empty.
+  ``async``'s torch columns are empty: its twin is DDP (at staleness 0), which the ddp row times.
 - The order alternates per row (jaxdp first on even rows, torch first on odd rows) and
   the ratio ``jaxdp/torch`` of median step times is given per row (< 1: jaxdp faster).
 - Both frameworks step the same fixed host batch (global batch split over N, ``--dtype``),
@@ -66,7 +66,6 @@ import numpy as np
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0,
                "L4": 121.0, "V100": 125.0}
 RESNET18_CIFAR_FLOP = 3.33e9  # per trained image (fwd + bwd), width 64, 32x32
-TORCH_TWIN = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "hsdp": "hsdp", "dp": "dp"}
 XLA_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 QUICK = dict(width=8, blocks=(1, 1, 1, 1), global_batch=16, steps=10, warmup=2, n=(1, 2))
 
@@ -78,9 +77,9 @@ def _ints(text: str):
 def add_bench_args(p) -> None:
     p.add_argument("--strategies", default=None, help="comma list (default: every registered strategy)")
     p.add_argument("--n", type=_ints, default=None, help="device counts, e.g. 1,2,4,8 (default 1,2,4,8)")
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--width", type=int, default=None, help="channels of the first stage (default 16)")
-    p.add_argument("--blocks", type=_ints, default=None, help="blocks per stage, e.g. 1,1,1,1")
+    p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50 | vit-tiny | vit-small")
+    p.add_argument("--width", type=int, default=None, help="ResNet: channels of the first stage (default 16)")
+    p.add_argument("--blocks", type=_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1")
     p.add_argument("--global-batch", type=int, default=None, help="images per step over all devices (default 32)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default)")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) | adam")
@@ -99,10 +98,15 @@ def add_bench_args(p) -> None:
 def _resolve(args) -> dict:
     gpu = _cuda_host()
     q = QUICK if args.quick else {}
+    from jaxdp.config import TrainError  # not jaxdp.models: jax must not start before prepare_jax
+
+    resnet = not args.model.startswith("vit")  # a ViT keeps its named size: width/blocks are ResNet's
+    if not resnet and (args.width or args.blocks):
+        raise TrainError(f"--width/--blocks size a ResNet, not {args.model}")
     return {
         "model": args.model,
-        "width": args.width or q.get("width", 16),
-        "blocks": args.blocks or q.get("blocks"),
+        "width": args.width or q.get("width", 16) if resnet else 64,  # 64: create_model's default, ignored by a ViT
+        "blocks": args.blocks or q.get("blocks") if resnet else None,
         "global_batch": args.global_batch or q.get("global_batch", 32),
         "dtype": args.dtype or ("bfloat16" if gpu else "float32"),
         "optimizer": args.optimizer,
@@ -335,6 +339,15 @@ def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.
         os._exit(code)
 
 
+def torch_twin(name: str) -> Optional[str]:
+    """torch_ref's strategy for ``name`` (its facts), None where the twin holds only for some
+    options: async is DDP at staleness 0, which the ddp row already times."""
+    from jaxdp.strategies import facts
+
+    f = facts(name)
+    return None if f.twin_when else f.torch_twin
+
+
 def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float) -> dict:
     """Launch ``n`` ranks (dp: one process on the full batch) and collect rank 0's step times."""
     import pickle
@@ -344,7 +357,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     from torch_ref import launcher
     from torch_ref.dist import resolve_backend
 
-    config = {"strategy": TORCH_TWIN[name], "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
+    config = {"strategy": torch_twin(name), "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
               "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
               "total_steps": cfg["warmup"] + cfg["steps"]}
     if name == "hsdp":
@@ -429,7 +442,7 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
             row = {"strategy": name, "n": n, "mesh_shape": _mesh_shape(name, n), "global_batch": cfg["global_batch"],
                    "order": "jaxdp first" if i % 2 == 0 else "torch_ref first",
                    "loadavg_before": list(os.getloadavg())}
-            do_torch = with_torch and name in TORCH_TWIN
+            do_torch = with_torch and torch_twin(name) is not None
 
             def do_jax():
                 try:

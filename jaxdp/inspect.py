@@ -79,29 +79,15 @@ most of it compiling the step; ``--no-compile`` skips that part):
 """
 
 import json
-import math
 import re
 import sys
 from typing import Optional, Sequence
 
 import numpy as np
 
-# Which parts of the model state each strategy shards (over all N devices, or S for hsdp).
-SHARDED = {
-    "ddp": (),
-    "dp": (),
-    "async": (),
-    "zero1": ("opt",),
-    "zero2": ("grads", "opt"),
-    "zero3": ("params", "grads", "opt"),
-    "hsdp": ("params", "grads", "opt"),
-}
-# Ring traffic per step in units of (param bytes) x (G-1)/G for the shard group G
-# (zero3/hsdp: less the root unit's second gather, see ``traffic_formula``).
-TRAFFIC = {"ddp": 2, "async": 2, "zero1": 3, "zero2": 2, "zero3": 3, "hsdp": 3}
+# What each strategy shards and its traffic formula are its facts (``jaxdp.strategies.facts``).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 COMPRESSED_BYTES = {"bf16": 2, "fp16": 2}  # bytes per value on the wire with DDP's low-precision hooks
-FSDP_STRATEGIES = ("zero3", "hsdp")  # the ones built with the model's FSDP units
 
 
 class InspectError(ValueError):
@@ -138,7 +124,7 @@ def root_params(strategy, params):
     from jaxdp.strategies.buckets import leaf_path
     from jaxdp.strategies.units import in_unit
 
-    if strategy.name not in FSDP_STRATEGIES:
+    if not strategy.sharded_params:
         return None
     units = strategy.unit_paths or []
     return [x for path, x in jax.tree_util.tree_leaves_with_path(params) if not in_unit(leaf_path(path), units)]
@@ -252,33 +238,13 @@ def extra_formula(strategy, params, p: int) -> int:
 
 def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int, extra: int = 0) -> dict:
     """The ZeRO table: exact (Ψ/N) and with this layout's padding (Ψ_pad/N)."""
-    sharded = SHARDED.get(name, ())
+    from jaxdp.strategies import facts
+
+    sharded = facts(name).sharded
     per_param = {"params": p, "grads": p, "opt": k}
     exact = {part: b * psi / shards if part in sharded else b * psi for part, b in per_param.items()}
     padded = {part: b * psi_pad // shards if part in sharded else b * psi for part, b in per_param.items()}
     return {"exact": {**exact, "extra": extra}, "padded": {**padded, "extra": extra}}
-
-
-def traffic_formula(name: str, psi: int, psi_pad: int, n: int, p: int, mesh_shape=None,
-                    wire_bytes: Optional[int] = None, root_pad: int = 0) -> Optional[float]:
-    """Ring bytes each device sends per step (see the module docstring). ``wire_bytes``:
-    bytes per communicated gradient value when an all-reduce hook compresses them (default
-    p). ``root_pad``: zero3/hsdp's root-unit params (padded count), gathered once, not twice."""
-    c = wire_bytes or p
-    if name == "hsdp":
-        r, s = mesh_shape
-        return (s - 1) / s * p * (3 * psi_pad - root_pad) + 2 * (r - 1) / r * p * psi_pad / s
-    if name == "dp":
-        return (n - 1 + math.ceil(math.log2(n))) * p * psi
-    if name not in TRAFFIC or n == 1:
-        return 0.0 if name in TRAFFIC else None
-    if name == "zero1":  # DDP's all-reduce of the gradient, all-gather of the padded chunks
-        return (n - 1) / n * (2 * c * psi + p * psi_pad)
-    if name in ("ddp", "async"):
-        return 2 * (n - 1) / n * c * psi
-    if name == "zero3":  # units: gather, re-gather; root: one gather; every gradient: one reduce-scatter
-        return (n - 1) / n * p * (3 * psi_pad - root_pad)
-    return TRAFFIC[name] * (n - 1) / n * p * psi_pad
 
 
 def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
@@ -518,7 +484,7 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     from jaxdp.mesh import make_mesh
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
-    from jaxdp.strategies import create_strategy
+    from jaxdp.strategies import create_strategy, options_of
     from jaxdp.task import classifier
 
     if batch_per_device < 1 or image_size < 1:
@@ -538,19 +504,20 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     report = measure(strategy, batch, seed=seed, compile=compile)
     report.update(model=model, width=width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
                   optimizer=optimizer, options={k: v for k, v in options.items() if v is not None})
-    if name in FSDP_STRATEGIES:
+    if "units" in options_of(name):
         report.update(fsdp_units=[getattr(u, "__name__", u) for u in strategy.units.classes + strategy.units.patterns],
                       fsdp_unit_count=len(strategy.unit_paths))
     return report
 
 
 def fsdp_options(name: str, model, options: Optional[dict] = None) -> dict:
-    """``options`` plus, for zero3/hsdp, ``units=fsdp_units(model)`` (unless given): the model's
-    own FSDP units, as torch_ref's FSDP2 wraps them."""
+    """``options`` plus, for a strategy that takes ``units`` (zero3, hsdp), ``units=fsdp_units(model)``
+    (unless given): the model's own FSDP units, as torch_ref's FSDP2 wraps them."""
     from jaxdp.models import fsdp_units
+    from jaxdp.strategies import options_of
 
     options = dict(options or {})
-    if name in FSDP_STRATEGIES and "units" not in options:
+    if "units" in options_of(name) and "units" not in options:
         options["units"] = fsdp_units(model)
     return options
 
@@ -566,7 +533,7 @@ def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> N
         variables = net.init(jax.random.key(0), x, train=False)
         _, state = net.apply(variables, x, train=False,
                              capture_intermediates=lambda module, _: isinstance(module, BatchNorm))
-        return state["intermediates"]
+        return state.get("intermediates", {})  # none: the model has no BatchNorm
 
     x = jax.ShapeDtypeStruct((batch_per_device, image_size, image_size, 3), net.dtype)
     outputs = jax.tree_util.tree_leaves(jax.eval_shape(forward, x))
@@ -629,16 +596,18 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
 
 
 def strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape, root_pad: int = 0) -> Optional[float]:
-    """``traffic_formula`` with the strategy's all-reduce options (compression) taken into account."""
-    n = strategy.num_devices
-    sync = getattr(strategy, "sync", None)
+    """The strategy's traffic formula (its ``facts.traffic``; None if it has none), with the ring bytes
+    of its all-reduce as its options make them: 2(N-1)/N·cΨ, c = p or the compressed wire's, or PowerSGD's."""
+    from jaxdp.strategies.factsheet import Sizes
+
+    n, traffic = strategy.num_devices, strategy.facts.traffic
     if _powersgd(strategy) is not None:
-        if n == 1:
-            return 0.0
-        gather = (n - 1) / n * p * psi_pad if strategy.name == "zero1" else 0.0  # ZeRO-1's chunks, after the update
-        return powersgd_traffic_formula(strategy, params, n, p) + gather
-    wire = COMPRESSED_BYTES.get(getattr(sync, "compress", None))
-    return traffic_formula(strategy.name, psi, psi_pad, n, p, mesh_shape, wire_bytes=wire, root_pad=root_pad)
+        allreduce = powersgd_traffic_formula(strategy, params, n, p)
+    else:
+        c = COMPRESSED_BYTES.get(getattr(strategy.sync, "compress", None)) or p
+        allreduce = 2 * (n - 1) / n * c * psi
+    sizes = Sizes(psi, psi_pad, n, p, allreduce, mesh_shape, root_pad)
+    return None if traffic is None else traffic(sizes)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -648,30 +617,23 @@ def _mb(x) -> str:
 
 
 def _formula_name(r: dict) -> str:
-    options = r.get("options", {})
-    name = r["strategy"]
-    gather = " + (N-1)/N·pΨ_pad all-gather" if name == "zero1" else ""
-    if name == "hsdp":
-        return "(3Ψ_pad - Ψ_root)p(S-1)/S + 2(Ψ_pad p/S)(R-1)/R"
-    if name == "dp":
-        return "(N-1 + ceil(log2 N))Ψp: gather to device 0, broadcast tree"
-    if options.get("compress") == "powersgd":
-        return "compressed step: 2(N-1)/N·p·(uncompressed + Σ(rows+cols)·r)" + gather
-    if options.get("compress") in COMPRESSED_BYTES:
-        return f"2Ψ·{COMPRESSED_BYTES[options['compress']]}B(N-1)/N, {options['compress']} on the wire" + gather
-    if name == "zero3":
-        return "(3Ψ_pad - Ψ_root)p(N-1)/N"
-    if name == "zero1":
-        return "(2Ψ + Ψ_pad)p(N-1)/N"
-    if name == "zero2":
-        return "2Ψ_pad·p(N-1)/N"
-    return f"{TRAFFIC[name]}Ψp(N-1)/N" if name in TRAFFIC else "unknown"
+    """The strategy's ``facts.traffic_text``, its all-reduce written as its options make it."""
+    from jaxdp.strategies import facts
+
+    compress = r.get("options", {}).get("compress")
+    if compress == "powersgd":
+        allreduce = "compressed step: 2(N-1)/N·p·(uncompressed + Σ(rows+cols)·r)"
+    elif compress in COMPRESSED_BYTES:
+        allreduce = f"2Ψ·{COMPRESSED_BYTES[compress]}B(N-1)/N, {compress} on the wire"
+    else:
+        allreduce = "2Ψp(N-1)/N"
+    return facts(r["strategy"]).traffic_text.format(allreduce=allreduce)
 
 
 def format_report(r: dict) -> str:
     mesh = f" (mesh {r['mesh_shape'][0]}x{r['mesh_shape'][1]})" if r.get("mesh_shape") else ""
-    what = (f": {r['model']} width {r['width']} blocks {','.join(map(str, r['blocks']))}, {r['dtype']}, "
-            f"{r['optimizer']}" if "model" in r else "")
+    size = f" width {r['width']} blocks {','.join(map(str, r['blocks']))}" if r.get("blocks") else ""  # a ResNet's
+    what = f": {r['model']}{size}, {r['dtype']}, {r['optimizer']}" if "model" in r else ""
     options = "".join(f", {k} {v}" for k, v in r.get("options", {}).items() if k != "mesh_shape")
     lines = [
         f"{r['strategy']} on {r['devices']} devices{mesh}{what}{options} "
@@ -753,9 +715,9 @@ def add_inspect_args(p) -> None:
     p.add_argument("--compress", default=None, help="ddp/zero1: bf16 | fp16 | powersgd (async: bf16 | fp16)")
     p.add_argument("--powersgd-rank", type=int, default=None, help="ddp/zero1 --compress powersgd: matrix rank r")
     p.add_argument("--staleness", type=int, default=None, help="async: staleness bound k")
-    p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50")
-    p.add_argument("--width", type=int, default=64, help="channels of the first stage (64 = torchvision)")
-    p.add_argument("--blocks", type=_ints, default=None, help="blocks per stage, e.g. 1,1,1,1 (default: the model's)")
+    p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50 | vit-tiny | vit-small")
+    p.add_argument("--width", type=int, default=64, help="ResNet: channels of the first stage (64 = torchvision)")
+    p.add_argument("--blocks", type=_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the model's)")
     p.add_argument("--stem", default="cifar", help="cifar | imagenet")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) | adam | adamw")
     p.add_argument("--dtype", default="float32")

@@ -35,6 +35,7 @@ in torchvision's state_dict order, i.e. forward order).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
@@ -117,7 +118,37 @@ FLOAT32 = Bounds(
          "last 5 steps) within 1%."),
 )
 
-DEFAULT_BOUNDS = {"float64": FLOAT64, "float32": FLOAT32}
+# bfloat16 mixed precision: float32 params (master weights, optimizer state) and bf16
+# compute, against torch's autocast(bf16) (CPU) or FSDP2's MixedPrecisionPolicy (CUDA).
+# The sides round at different points (XLA fuses across ops, autocast casts per op), so
+# each activation may differ by ~u = 2^-8 (bf16's unit roundoff), and through a network
+# of depth L by up to ~L u in the worst direction. Measured (N=2, SGD, 6 steps):
+#                                 loss     loss/rank  grads    params   opt state
+#   ViT depth 2 dim 20, step 0    5.3e-05  6.0e-04    2.6e-02  2.2e-02  2.6e-02   (<= 7 u)
+#   ViT, steps 1-5                7.4e-04  1.5e-03    6.5e-02  4.6e-02  4.6e-02
+#   ResNet width 4, step 0        9.1e-05  6.0e-04    5.2e-01  3.9e-01  5.2e-01
+#   ResNet, steps 1-5             2.8e-03  5.2e-03    1.5e+00  ...
+# (A BatchNorm over 2x2 maps amplifies a rounding difference into O(1) gradients, as in
+# float32 at full depth.) So: the loss of every rank at every step within 2 u (every model);
+# the step-0 gradients, params and optimizer state within 16 u = 2L u for a model without
+# BatchNorm (the ViT: L ~ 8 matmul/norm stages); the loss curves within 2 u.
+BF16_U = 2.0 ** -8
+BFLOAT16 = Bounds(
+    "bfloat16",
+    first={"loss": 2 * BF16_U, "loss_per_rank": 2 * BF16_U, "grads": 16 * BF16_U,
+           "params": 16 * BF16_U, "optimizer_state": 16 * BF16_U},
+    later={"loss": 2 * BF16_U, "loss_per_rank": 2 * BF16_U},
+    loss_curve=2 * BF16_U,
+    why=("bfloat16 compute, float32 params: the loss of every rank within 2u (u = 2^-8, bf16's "
+         "unit roundoff) at every step; step 0 grads/params/optimizer state within 16u; loss "
+         "curves within 2u. BatchNorm models: see compare.BFLOAT16_BN."),
+)
+# With BatchNorm the step-0 tensors are not bounded (measured 0.5 at width 4): the loss only.
+BFLOAT16_BN = dataclasses.replace(BFLOAT16, first={"loss": 2 * BF16_U, "loss_per_rank": 2 * BF16_U},
+                                  why="bfloat16 with BatchNorm: the loss of every rank within 2u at every step, "
+                                      "the loss curves within 2u (tensors reported, not bounded).")
+
+DEFAULT_BOUNDS = {"float64": FLOAT64, "float32": FLOAT32, "bfloat16": BFLOAT16}
 
 # bf16/fp16 compression hooks (``ddp --compress bf16|fp16``) on N ranks.
 #

@@ -126,7 +126,7 @@ def parity_config(argv: Sequence[str]):
 def make_plan(mode: str, n: int, backend: str, dtypes: Sequence[str], strategies: Sequence[str], out: str, *,
               steps: Optional[int] = None, bench: bool = True, dry_run: bool = False,
               notes: Sequence[str] = ()) -> CheckPlan:
-    from parity_tests.runner import PAIRS, _torch_side
+    from parity_tests.runner import _torch_side, pair_for
 
     settings = dict(SETTINGS[mode], **({"steps": steps} if steps else {}))
     gpus = n if backend == "nccl" else 0
@@ -137,7 +137,7 @@ def make_plan(mode: str, n: int, backend: str, dtypes: Sequence[str], strategies
             pair_out = os.path.join(out, "pairs", pid)
             argv = parity_argv(strategy, dtype, n, backend, settings, pair_out)
             cfg = parity_config(argv)
-            twin, world, _, _ = _torch_side(cfg, PAIRS[strategy], gpus)
+            twin, world, _, _ = _torch_side(cfg, pair_for(strategy), gpus)
             pairs.append(PairPlan(pid, strategy, dtype, n, backend, twin, world, argv, pair_out))
     bench_plan = None
     if bench:
@@ -418,6 +418,10 @@ def prepare(args) -> CheckPlan:
                          bench=args.bench, dry_run=args.dry_run, notes=notes)
 
     backend = args.backend or "nccl"
+    # torch's ranks share the GPUs: JAX takes memory as it needs it (a dry run too: its plan reads
+    # each strategy's facts from jaxdp, which imports jax)
+    if "jax" not in sys.modules:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     gpus = torch_gpus()
     if args.dry_run:
         n = args.devices or (len(gpus) if len(gpus) >= 2 else 2)
@@ -440,8 +444,6 @@ def prepare(args) -> CheckPlan:
         notes.append("torch on gloo: the torch side runs on the CPU, the JAX side on the GPUs")
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         raise CheckRefused("JAX_PLATFORMS=cpu hides the GPUs from JAX: unset it (make gpu-check does)")
-    if "jax" not in sys.modules:  # torch's ranks share the GPUs: JAX takes memory as it needs it
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     jax_backend, jgpus = jax_gpus()
     if len(jgpus) < n:
         raise CheckRefused(f"JAX sees {len(jgpus)} GPU(s) (default backend {jax_backend}) but torch sees {len(gpus)}: "

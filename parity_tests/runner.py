@@ -28,8 +28,8 @@ What one run does:
 Pairs: jaxdp strategy -> its PyTorch twin
 =========================================
 
-``PAIRS`` below is the table; a later pair plugs in by adding a row (and, if it has
-options of its own, rows to ``OPTIONS``).
+``pair_for`` builds each row from the strategy's facts (``jaxdp.strategies.facts``); a later
+strategy plugs in by adding its name to ``PAIRS`` (and, if it has options of its own, rows to ``OPTIONS``).
 
 ==========================  ==============================================  ======  =================================
 jaxdp                       torch_ref (PyTorch)                             ranks   notes
@@ -190,12 +190,12 @@ OPTIONS: Dict[str, Option] = {
 
 @dataclass(frozen=True)
 class Pair:
-    """One row of the strategy -> torch twin table.
+    """One row of the strategy -> torch twin table, built by ``pair_for`` from the strategy's facts.
 
-    ``torch``: torch_ref strategy name, or a function ``(cfg, cuda_gpus) -> name`` when the
-    twin depends on the hardware. ``options``: the ``OPTIONS`` this pair accepts; others must
-    stay at their defaults. ``check``: refuses configurations with no twin (returns an error).
-    ``world``: torch ranks for N jaxdp devices.
+    ``twin``: the torch twin in words. ``torch``: torch_ref strategy name, or a function
+    ``(cfg, cuda_gpus) -> name`` when the twin depends on the hardware. ``options``: the
+    ``OPTIONS`` this pair accepts; others must stay at their defaults. ``check``: refuses
+    configurations with no twin (returns an error).
     """
 
     twin: str
@@ -205,33 +205,41 @@ class Pair:
     note: str = ""
 
 
-def _async_check(cfg: ParityConfig) -> Optional[str]:
-    if cfg.staleness != 0:
-        return (f"async with staleness {cfg.staleness} has no PyTorch twin (torch has no "
-                "bounded-staleness parameter server); staleness 0 is compared with DDP")
-    return None
+# The strategies paired: all of jaxdp.strategies.STRATEGIES (test_parity checks), named here
+# because this module must not import jax. ``pair_for`` reads a pair's facts when a run needs them.
+PAIRS = ("ddp", "zero1", "zero2", "zero3", "hsdp", "dp", "async")
+
+DP_NOTE = ("without N GPUs nn.DataParallel cannot split the batch, so the twin is DDP, whose math is "
+           "DataParallel's: per-chunk BN statistics, chunk/rank 0's running stats, gradients averaged over chunks")
+
+
+def pair_for(name: str) -> Pair:
+    """``name``'s row: its twin from its facts (``jaxdp.strategies.facts``); the options both its
+    jaxdp constructor (``options_of``) and its torch_ref twin (``STRATEGY_OPTIONS``) take."""
+    from jaxdp.strategies import facts, options_of
+    from torch_ref.strategies import STRATEGY_OPTIONS
+
+    f = facts(name)
+    jax_takes, torch_takes = options_of(name), STRATEGY_OPTIONS[f.torch_twin]
+    options = tuple(n for n, o in OPTIONS.items() if o.jax in jax_takes and (o.torch is None or o.torch in torch_takes))
+    if name == "dp":  # nn.DataParallel splits the batch over GPUs: without them, DDP
+        return Pair(f"{f.twin} (>= N GPUs), else DDP on N ranks: the same math", _dp_torch, options, note=DP_NOTE)
+    return Pair(f.twin, f.torch_twin, options, _twin_check(name, f.twin_when, f.twin) if f.twin_when else None)
+
+
+def _twin_check(name: str, twin_when: Mapping[str, Any], twin: str):
+    """Refuses the options under which ``name`` has no twin (its ``facts.twin_when``)."""
+    def check(cfg: ParityConfig) -> Optional[str]:
+        for flag, opt in OPTIONS.items():
+            if opt.jax in twin_when and getattr(cfg, flag) != twin_when[opt.jax]:
+                return f"{name} with {flag} {getattr(cfg, flag)} has no PyTorch twin; its twin: {twin}"
+        return None
+    return check
 
 
 def _dp_torch(cfg: ParityConfig, cuda_gpus: int) -> str:
     return "dp" if cuda_gpus >= max(cfg.devices, 2) else "ddp"
 
-
-PAIRS: Dict[str, Pair] = {
-    "ddp": Pair("DistributedDataParallel (broadcast_buffers; optional comm hook)", "ddp",
-                ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank")),
-    # ZeRO-1 all-reduces as DDP does (jaxdp composes the same sync.AllReduce), so DDP's comm
-    # hooks apply: torch's twin is ZeroRedundancyOptimizer over a DDP model with that hook.
-    "zero1": Pair("DDP (optional comm hook) + ZeroRedundancyOptimizer", "zero1",
-                  ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank")),
-    "zero2": Pair("FSDP2 fully_shard(reshard_after_forward=False)", "zero2"),
-    "zero3": Pair("FSDP2 fully_shard(reshard_after_forward=True)", "zero3"),
-    "hsdp": Pair("FSDP2 on a 2-D DeviceMesh (replicate, shard)", "hsdp", ("mesh_shape",)),
-    "dp": Pair("nn.DataParallel (>= N GPUs), else DDP on N ranks: the same math", _dp_torch,
-               note=("without N GPUs nn.DataParallel cannot split the batch, so the twin is DDP, "
-                     "whose math is DataParallel's: per-chunk BN statistics, chunk/rank 0's "
-                     "running stats, gradients averaged over chunks")),
-    "async": Pair("DDP (staleness 0 only)", "ddp", ("staleness", "bucket_cap_mb"), _async_check),
-}
 
 SYNC_BN_CPU = ("torch's SyncBatchNorm raises on CPU tensors, so the twin of --sync-bn here is "
                "torch in ONE process on the full global batch: the same math (BN statistics "
@@ -278,14 +286,14 @@ def plan(cfg: ParityConfig) -> Plan:
     """Resolve the pair for ``cfg``: torch strategy, ranks, options; refuse what has no twin."""
     if cfg.strategy not in PAIRS:
         raise ParityError(f"no torch twin registered for strategy {cfg.strategy!r}; pairs: "
-                          f"{', '.join(PAIRS)} (add a row to parity_tests.runner.PAIRS)")
-    pair = PAIRS[cfg.strategy]
+                          f"{', '.join(PAIRS)} (add its name to parity_tests.runner.PAIRS)")
+    pair = pair_for(cfg.strategy)
     try:
         cfg.model_summary()  # an unknown model, or an option of the other family, is the user's
     except ValueError as e:
         raise ParityError(str(e)) from None
-    if cfg.dtype not in ("float32", "float64"):
-        raise ParityError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
+    if cfg.dtype not in ("float32", "float64", "bfloat16"):
+        raise ParityError(f"--dtype must be float32, float64 or bfloat16, got {cfg.dtype!r}")
     if cfg.steps < 1 or cfg.devices < 1 or cfg.accum < 1 or cfg.batch_per_device < 1:
         raise ParityError("--steps, --devices, --accum and --batch-per-device must be >= 1")
     if cfg.batch_per_device % cfg.accum:
@@ -518,7 +526,8 @@ def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
     from jaxdp.interop import tree_to_torch_names, variables_from_state_dict
     from jaxdp.optim import torch_optimizer_state
 
-    variables = variables_from_state_dict(state_dict, dtype=p.cfg.dtype)
+    # bfloat16 is mixed precision: float32 params (the master weights), bf16 compute.
+    variables = variables_from_state_dict(state_dict, dtype="float32" if p.cfg.dtype == "bfloat16" else p.cfg.dtype)
     strategy = jax_strategy(p)
     state = strategy.init_state(variables)
     records = []
@@ -647,6 +656,10 @@ def bounds_for(p: Plan):
     from parity_tests import compare
 
     base = compare.DEFAULT_BOUNDS[p.cfg.dtype]
+    if p.cfg.dtype == "bfloat16":
+        from jaxdp.models import family
+
+        base = compare.BFLOAT16_BN if family(p.cfg.model) == "resnet" else compare.BFLOAT16
     if p.cfg.compress in compare.UNIT_ROUNDOFF:
         return compare.low_precision_wire(base, p.cfg.compress, p.world)
     return base
@@ -736,7 +749,7 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     for size in ("depth", "dim", "heads", "mlp_dim", "patch"):
         g.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
                        help=f"ViT: {size} (default: the named model's)")
-    g.add_argument("--dtype", default=d.dtype, help="float64 (tight: 1e-10) | float32 (measured-noise bounds)")
+    g.add_argument("--dtype", default=d.dtype, help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
     g.add_argument("--steps", type=int, default=d.steps)
     g.add_argument("--batch-per-device", type=int, default=d.batch_per_device)
     g.add_argument("--image-size", type=int, default=d.image_size, help="centre crop S x S of the 32x32 images")
@@ -763,8 +776,10 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
                         "enough GPUs is an error; gloo keeps torch on the CPU, also on a GPU host")
     g.add_argument("--inject-bug", default=None, metavar="BUG",
                    help="demo: run jaxdp with a deliberate bug (same_padding | biased_var | "
-                        "missing_1_over_n | wrong_shard_bn) and watch the harness name it; exit "
-                        "status 1 when it is caught, 3 when it is not (the harness is broken)")
+                        "missing_1_over_n | wrong_shard_bn | late_lr_schedule (needs --schedule "
+                        "warmup_cosine, --steps >= --warmup-steps + 2) | adam_bias_correction (adam, "
+                        "adamw) | shard_grad_perturbation (float64 only sees it)) and watch the harness "
+                        "name it; exit status 1 when it is caught, 3 when it is not (the harness is broken)")
     p.set_defaults(func=cmd_parity)
 
 

@@ -182,6 +182,15 @@ def test_pairs_without_a_twin_are_refused():
         plan(config("float64", strategy="nope"))
 
 
+def test_every_strategy_is_paired_from_its_facts():
+    from jaxdp.strategies import STRATEGIES, facts
+    from parity_tests.runner import PAIRS, pair_for
+
+    assert set(PAIRS) == set(STRATEGIES)  # runner names them itself: it must not import jax
+    assert pair_for("hsdp").twin == facts("hsdp").twin and pair_for("hsdp").options == ("mesh_shape",)
+    assert pair_for("zero2").options == ()  # jaxdp's buckets take bucket_cap_mb, FSDP2 has no such knob
+
+
 def test_zero1_takes_ddps_comm_hooks_on_both_sides():
     """jaxdp's zero1 composes DDP's AllReduce, so it has DDP's hooks; its twin is
     ZeroRedundancyOptimizer over a DDP model with the same hook."""

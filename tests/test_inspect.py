@@ -324,3 +324,13 @@ def test_cli_inspect(capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "optimizer state" in table and "Ψ =" in table
+
+
+def test_inspect_takes_a_vit_and_its_encoder_blocks_are_the_units():
+    """--model vit-tiny: ZeRO-3 per-device state equals the padded formula, the units are the
+    12 encoder blocks, and the rest (patch embedding, tokens, norm, head) is the root unit."""
+    r = inspect_strategy("zero3", 4, model="vit-tiny", compile=False)
+    assert r["psi"] == 5_362_762  # vit-tiny at 32x32, patch 4, 10 classes
+    assert (r["fsdp_units"], r["fsdp_unit_count"]) == (["EncoderBlock"], 12)
+    measured, padded = r["state"]["measured"], r["state"]["formula_padded"]
+    assert all(measured[part] == padded[part] for part in ("params", "grads", "opt"))

@@ -7,8 +7,9 @@
 - ``zero``: ZeRO stages 1 (optimizer state sharded), 2 (+ gradients reduce-scattered), 3 (+ params,
   gathered per FSDP unit on use) and HSDP (stage 3 within groups of a 2-D mesh), one module.
 
-Each strategy carries its own facts: ``name``, ``torch_twin``, what it shards, and its options
-(its constructor's keywords). No strategy names a model: models bring their FSDP units.
+Each strategy carries its own facts beside its class (``factsheet.Facts``: name, torch twin, what it
+shards, its traffic formula; ``facts(name)``) and its options (its constructor's keywords,
+``options_of(name)``). No strategy names a model: models bring their FSDP units.
 """
 
 import inspect as _inspect
@@ -18,6 +19,7 @@ from jaxdp.strategies.async_ps import AsyncPS
 from jaxdp.strategies.base import Strategy, StrategyError
 from jaxdp.strategies.ddp import DDP
 from jaxdp.strategies.dp import DataParallel
+from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.zero import ZeRO
 
 # name -> (class, the options that name fixes)
@@ -33,30 +35,40 @@ REGISTRY = {
 STRATEGIES = tuple(REGISTRY)
 
 
+def _registered(name: str):
+    if name not in REGISTRY:
+        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return REGISTRY[name]
+
+
+def facts(name: str) -> Facts:
+    """What ``name`` is, without building it: the facts its module defines (``factsheet.py``)."""
+    cls, fixed = _registered(name)
+    return cls.facts_for(**fixed)
+
+
 def options_of(name: str) -> Dict[str, object]:
     """The options a strategy name takes, with defaults (read from its constructor)."""
-    cls, fixed = REGISTRY[name]
+    cls, fixed = _registered(name)
     params = {}
     for klass in reversed(cls.__mro__):
         if "__init__" in vars(klass) and issubclass(klass, Strategy):
             for p in _inspect.signature(klass.__init__).parameters.values():
                 if p.kind == p.KEYWORD_ONLY:
                     params[p.name] = p.default
-    refused = cls.refused_options(**fixed) if hasattr(cls, "refused_options") else set()
+    refused = facts(name).refused
     return {k: v for k, v in params.items() if k not in fixed and k not in refused and k not in ("stage", "hsdp")}
 
 
 def create_strategy(name: str, model, task, tx, mesh, **options) -> Strategy:
     """Build a strategy by name; unknown names and options get a one-line error."""
-    if name not in REGISTRY:
-        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     unknown = set(options) - set(options_of(name))
     if unknown:
         raise StrategyError(f"strategy {name!r} takes no option {', '.join(sorted(unknown))}; "
                             f"it takes {', '.join(sorted(options_of(name)))}")
-    cls, fixed = REGISTRY[name]
+    cls, fixed = _registered(name)
     return cls(model, task, tx, mesh, **fixed, **options)
 
 
-__all__ = ["AsyncPS", "DDP", "DataParallel", "ZeRO", "REGISTRY", "STRATEGIES", "Strategy", "StrategyError",
-           "create_strategy", "options_of"]
+__all__ = ["AsyncPS", "DDP", "DataParallel", "ZeRO", "Facts", "REGISTRY", "STRATEGIES", "Strategy", "StrategyError",
+           "create_strategy", "facts", "options_of"]

@@ -48,17 +48,23 @@ canonical form); its schedule is keyed by device index, so resuming on another
 device count continues with that count's schedule.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdp.strategies import ddp
 from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.sync import AllReduce
 
+# DDP's facts (the history, k params copies, is replicated ``extra``), but a twin only for k = 0.
+FACTS = dataclasses.replace(ddp.FACTS, name="async", twin_when={"staleness": 0},
+                            twin="DDP, staleness 0 only (torch has no bounded-staleness parameter server)")
+
 
 class AsyncPS(Strategy):
-    name = "async"
-    torch_twin = "DistributedDataParallel (k = 0)"
+    facts = FACTS
 
     def __init__(self, model, task, tx, mesh, *, staleness: int = 0, staleness_seed: int = 0, bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, **kwargs):

@@ -1,9 +1,8 @@
 """What every strategy shares: the per-device forward/backward, state placement and the shard_map plumbing.
 
-A strategy says only *where state lives* (``sharded_params``/``sharded_opt_state`` and
-``state_specs``) and *where the collectives go* (``local_step``); it never names a model.
-Everything in ``local_step`` runs per device inside ``jax.shard_map``; the batch (any
-pytree) is always split over ``batch_axes``.
+A strategy says only *where state lives* (``facts.sharded``, ``state_specs``) and *where the
+collectives go* (``local_step``); it never names a model. Everything in ``local_step`` runs
+per device inside ``jax.shard_map``; the batch (any pytree) is always split over ``batch_axes``.
 
 The check_vma gradient trap: params that enter shard_map replicated (``P()``) would get
 gradients that autodiff has already summed over the axis, because the implicit broadcast
@@ -29,6 +28,7 @@ from jaxdp.mesh import DATA_AXIS, shard_batch
 from jaxdp.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.buckets import insertion_order_paths
+from jaxdp.strategies.factsheet import Facts
 
 
 class StrategyError(ValueError):
@@ -116,14 +116,28 @@ def train_metrics(loss, metrics, axis, grads=None):
 # ----------------------------------------------------------------------------- the interface
 
 class Strategy:
-    """Base class. Subclasses set the class facts below and write ``local_step``."""
+    """Base class. Subclasses set their ``facts`` (``factsheet.py``) and write ``local_step``."""
 
-    name = "base"
-    torch_twin = None  # what torch_ref runs for the same strategy
+    facts = Facts("base")  # name, twin, what is sharded, traffic
     batch_axes: Any = DATA_AXIS  # mesh axes the batch is split over
-    sharded_params = False  # ZeRO-3: params live as chunks (layout.py)
-    sharded_opt_state = False  # ZeRO-1/2/3: per-parameter optimizer tensors live as chunks
     sync = None  # the gradient all-reduce (sync.AllReduce) of strategies that have one: it owns ``extra``
+
+    @classmethod
+    def facts_for(cls, **fixed) -> Facts:
+        """The facts under the options a registry name fixes (a class serving several names overrides this)."""
+        return cls.facts
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def sharded_params(self) -> bool:  # ZeRO-3: params live as chunks (layout.py)
+        return "params" in self.facts.sharded
+
+    @property
+    def sharded_opt_state(self) -> bool:  # ZeRO-1/2/3: per-parameter optimizer tensors live as chunks
+        return "opt" in self.facts.sharded
 
     def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
                  axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0):

@@ -21,12 +21,15 @@ import jax
 import optax
 
 from jaxdp.strategies.base import Strategy, ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
+
+FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)", torch_twin="ddp",
+              traffic=lambda s: s.allreduce, traffic_text="{allreduce}")  # nothing is sharded: one all-reduce
 
 
 class DDP(Strategy):
-    name = "ddp"
-    torch_twin = "DistributedDataParallel"
+    facts = FACTS
 
     def __init__(self, model, task, tx, mesh, *, bucket_cap_mb=None, allreduce: str = "psum", compress=None,
                  powersgd_rank: int = 1, powersgd_options=None, **kwargs):

@@ -42,6 +42,8 @@ in device order rather than psum(g_i / N); float64 agrees to ~1e-16.
 Single process only (as ``nn.DataParallel``); use ``ddp`` across hosts.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import _zeros, Strategy, StrategyError, local_grads, train_metrics
+from jaxdp.strategies.factsheet import Facts
 from jaxdp.task import batch_size
 
 
@@ -70,9 +73,17 @@ def broadcast_from_first(x, axis, n: int):
     return x
 
 
+def traffic(s) -> float:
+    """The gradient gathered to device 0 by N-1 permutes, params sent back down a ceil(log2 N) tree."""
+    return (s.n - 1 + math.ceil(math.log2(s.n))) * s.p * s.psi
+
+
+FACTS = Facts("dp", twin="nn.DataParallel", torch_twin="dp",
+              traffic=traffic, traffic_text="(N-1 + ceil(log2 N))Ψp: gather to device 0, broadcast tree")
+
+
 class DataParallel(Strategy):
-    name = "dp"
-    torch_twin = "DataParallel"
+    facts = FACTS
 
     def __init__(self, model, task, tx, mesh, **kwargs):
         super().__init__(model, task, tx, mesh, **kwargs)

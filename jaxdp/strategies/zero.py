@@ -37,6 +37,8 @@ result is DDP's. Only elementwise optimizers shard this way (all of ``jaxdp.opti
 a global-norm clip would see only a chunk.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -46,21 +48,44 @@ from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
+from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
 from jaxdp.strategies.units import Units, fsdp_unit, gather_on_use, in_unit, unit_paths
 
-TWINS = {1: "ZeroRedundancyOptimizer", 2: "fully_shard(reshard_after_forward=False)", 3: "fully_shard"}
+# Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
+ZERO1 = Facts("zero1", twin="DDP (optional comm hook) + ZeroRedundancyOptimizer", torch_twin="zero1",
+              sharded=("opt",), refused=frozenset({"units", "mesh_shape"}),
+              traffic=lambda s: s.allreduce + (s.n - 1) / s.n * s.p * s.psi_pad,  # DDP's + gather the updated chunks
+              traffic_text="{allreduce} + (N-1)/N·pΨ_pad all-gather")
+ZERO2 = dataclasses.replace(
+    ZERO1, name="zero2", twin="FSDP2 fully_shard(reshard_after_forward=False)", torch_twin="zero2",
+    sharded=("grads", "opt"), traffic=lambda s: 2 * (s.n - 1) / s.n * s.p * s.psi_pad, traffic_text="2Ψ_pad·p(N-1)/N",
+    refused=ZERO1.refused | {"allreduce", "compress", "powersgd_rank", "powersgd_options"})  # no all-reduce to hook
+ZERO3 = dataclasses.replace(
+    ZERO2, name="zero3", twin="FSDP2 fully_shard(reshard_after_forward=True)", torch_twin="zero3",
+    sharded=("params", "grads", "opt"), refused=ZERO2.refused - {"units"} | {"bucket_cap_mb"},  # units, not buckets
+    traffic=lambda s: (s.n - 1) / s.n * s.p * (3 * s.psi_pad - s.root_pad),  # units gathered twice, the root once
+    traffic_text="(3Ψ_pad - Ψ_root)p(N-1)/N")
+STAGES = {1: ZERO1, 2: ZERO2, 3: ZERO3}
 
 
-def refused_options(stage: int, hsdp: bool = False) -> set:
-    """The constructor's options that ``stage`` (and ``hsdp``) refuse: ``options_of`` leaves them out."""
-    refused = set() if stage == 1 else {"allreduce", "compress", "powersgd_rank", "powersgd_options"}
-    refused |= {"bucket_cap_mb"} if stage == 3 else {"units"}
-    return refused if hsdp else refused | {"mesh_shape"}
+def hsdp_traffic(s) -> float:
+    """Stage 3 within the S-device shard groups, plus each chunk all-reduced across the R replicas."""
+    r, g = s.mesh_shape
+    return (g - 1) / g * s.p * (3 * s.psi_pad - s.root_pad) + 2 * (r - 1) / r * s.p * s.psi_pad / g
+
+
+HSDP = dataclasses.replace(ZERO3, name="hsdp", twin="FSDP2 on a 2-D DeviceMesh (replicate, shard)", torch_twin="hsdp",
+                           refused=ZERO3.refused - {"mesh_shape"}, traffic=hsdp_traffic,
+                           traffic_text="(3Ψ_pad - Ψ_root)p(S-1)/S + 2(Ψ_pad p/S)(R-1)/R")
+
+
+def facts_for(stage: int = 3, hsdp: bool = False) -> Facts:
+    return HSDP if hsdp else STAGES[stage]
 
 
 class ZeRO(Strategy):
-    refused_options = staticmethod(refused_options)
+    facts_for = staticmethod(facts_for)
 
     def __init__(self, model, task, tx, mesh, *, stage: int = 3, units=(), mesh_shape=None, bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
@@ -78,10 +103,7 @@ class ZeRO(Strategy):
             raise StrategyError("bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero3 moves params and "
                                 "grads per FSDP unit")
         self.stage, self.hsdp = stage, hsdp
-        self.name = "hsdp" if hsdp else f"zero{stage}"
-        self.torch_twin = "fully_shard(mesh=2-D)" if hsdp else TWINS[stage]
-        self.sharded_params = stage == 3
-        self.sharded_opt_state = True
+        self.facts = facts_for(stage, hsdp)
         if hsdp:
             self.batch_axes = (REPLICA_AXIS, DATA_AXIS)
             mesh = hsdp_mesh(mesh, mesh_shape)
