@@ -8,35 +8,73 @@ restores on exit (also on an exception), or raises ``ParityError`` in one line w
 bug cannot apply. Patch *before* the strategy traces its step (the runner builds a fresh
 strategy and jit inside the ``with``), so the compiled step contains the bug.
 
-================  ==============================================  ===========================================
-bug               the mistake                                     where the harness must see it first
-================  ==============================================  ===========================================
-same_padding      ``padding="SAME"`` on the stride-2 3x3 convs:   step 0, ``loss`` (the forward already
-                  XLA pads (0, 1), torch (1, 1)                   differs)
-biased_var        running_var updated with the biased batch       step 0, ``buffers/...running_var`` (loss,
-                  variance (flax's choice) instead of torch's     grads and params are unaffected: training
-                  unbiased ``var * n / (n - 1)``                  mode normalises with batch statistics)
-missing_1_over_n  the gradient reduction sums without dividing    step 0, ``grads/...`` (every gradient is N x)
-                  by N
-wrong_shard_bn    BN running stats kept from the LAST device      step 0, ``buffers/...`` (DDP keeps rank 0's)
-                  instead of rank 0 (DDP broadcasts rank 0's)
-================  ==============================================  ===========================================
+=======================  ==============================================  ===========================================
+bug                      the mistake                                     where the harness must see it first
+=======================  ==============================================  ===========================================
+same_padding             ``padding="SAME"`` on the stride-2 3x3 convs:   step 0, ``loss`` (the forward already
+                         XLA pads (0, 1), torch (1, 1)                   differs)
+biased_var               running_var updated with the biased batch       step 0, ``buffers/...running_var`` (loss,
+                         variance (flax's choice) instead of torch's     grads and params are unaffected: training
+                         unbiased ``var * n / (n - 1)``                  mode normalises with batch statistics)
+missing_1_over_n         the gradient reduction sums without dividing    step 0, ``grads/...`` (every gradient is N x)
+                         by N
+wrong_shard_bn           BN running stats kept from the LAST device      step 0, ``buffers/...`` (DDP keeps rank 0's)
+                         instead of rank 0 (DDP broadcasts rank 0's)
+late_lr_schedule         warmup_cosine hands over to the cosine one      step w + 1 (11 for the tests' w = 10: a
+                         step late, ``join_schedules([warmup, cosine],   harness comparing 11 steps sees nothing),
+                         [w + 1])`` (the peak step counted as warmup):   ``params/...``. lr(w) is the peak either
+                         lr(t) is the right lr(t - 1) for every t > w    way (warmup(w) = cosine(0)), so update w
+                                                                         is right and update w + 1 is the first
+                                                                         wrong one; its loss and grads come from
+                                                                         update w's params, and the momentum
+                                                                         buffer / Adam's moments are lr-free:
+                                                                         only the params differ
+adam_bias_correction     Adam's bias correction with step + 1:           step 0, ``params/...``: m and v (torch's
+                         m / (1 - b1^(t+1)), v / (1 - b2^(t+1)) with     exp_avg, exp_avg_sq) do not depend on the
+                         t = 1 at the first update                       count, so loss, grads and optimizer state
+                                                                         agree; step 0's update is sqrt(1 + b2) /
+                                                                         (1 + b1) of torch's (a zero-initialised
+                                                                         BN bias off by 26%)
+shard_grad_perturbation  one device's share of ONE gradient,             step 0, ``grads/layer3.0.conv2.weight``,
+                         ``layer3.0.conv2.weight``, 1e-6 (relative)      rel err <= 1e-6 (that chunk's share of the
+                         too large: rank 0's contribution to the         tensor's largest entry): over float64's
+                         all-reduce, or device 0's chunk of the          1e-10, far under float32's 5e-3. No other
+                         reduce-scattered gradient                       gradient is off
+=======================  ==============================================  ===========================================
 
 Where each is patched, per strategy:
 
-================  ==============================================================================
-same_padding      ``resnet._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
-biased_var        ``resnet.BatchNorm``: every strategy
-missing_1_over_n  ddp, async, zero1: ``sync.AllReduce.reduce_bucket`` (the bucketed all-reduce they
-                  all compose); zero2: ``ZeRO.reduce_scatter``; zero3, hsdp: ``ZeRO.average_chunks``
-                  (the division after the gathers' transposes reduce-scattered the grads);
-                  dp: ``dp.gather_to_first`` (the sum on device 0)
-wrong_shard_bn    ddp, async, zero1, zero2, zero3, hsdp: ``ddp_buffers`` in every strategy module
-                  that imported it (whichever module's step runs); dp: ``dp.local_grads``'s model state
-================  ==============================================================================
+=======================  ==============================================================================
+same_padding             ``resnet._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
+biased_var               ``resnet.BatchNorm``: every strategy
+missing_1_over_n         ddp, async, zero1: ``sync.AllReduce.reduce_bucket`` (the bucketed all-reduce they
+                         all compose); zero2: ``ZeRO.reduce_scatter``; zero3, hsdp: ``ZeRO.average_chunks``
+                         (the division after the gathers' transposes reduce-scattered the grads);
+                         dp: ``dp.gather_to_first`` (the sum on device 0)
+wrong_shard_bn           ddp, async, zero1, zero2, zero3, hsdp: ``ddp_buffers`` in every strategy module
+                         that imported it (whichever module's step runs); dp: ``dp.local_grads``'s model state
+late_lr_schedule         ``jaxdp.optim.make_schedule`` (the runner builds jaxdp's schedule with it): every
+                         strategy (its optimizer evaluates the schedule at its count, sharded or not)
+adam_bias_correction     ``optax._src.transform.scale_by_adam``, which ``optax.adam``/``optax.adamw``
+                         (``jaxdp.optim.make_optimizer``'s chains) call when the optimizer is built: every
+                         strategy (ZeRO runs the same transform on its chunks)
+shard_grad_perturbation  ddp, async, zero1: ``sync.AllReduce.__call__`` (rank 0's gradient before the
+                         buckets: its contribution to the sum); zero2: ``ZeRO.reduce_scatter``'s output
+                         (device 0's averaged chunk); zero3, hsdp: ``ZeRO.average_chunks``'s input (the
+                         chunk the gathers' transposes summed on device 0; HSDP: device (0, 0)'s, before
+                         the replica all-reduce); dp: ``dp.local_grads`` (chunk 0's gradient, before the
+                         gather to device 0)
+=======================  ==============================================================================
 
 The 1/N bugs scale a reduction's input or output by N rather than rewrite it, so they
-follow the real code whatever it calls its collectives (exact for N a power of 2).
+follow the real code whatever it calls its collectives (exact for N a power of 2); the
+shard perturbation scales one tensor the same way, on the first device only.
+
+Some bugs need a config that can show them (``requires``, refused in one line otherwise):
+late_lr_schedule a warmup_cosine schedule and ``--steps >= warmup_steps + 2``, and its step
+depends on the config (``Bug.first_step``); adam_bias_correction adam or adamw;
+shard_grad_perturbation a ResNet (the tensor it perturbs); missing_1_over_n and
+wrong_shard_bn several devices (and per-device BN).
 """
 
 from __future__ import annotations
@@ -211,6 +249,110 @@ def _last_chunk_stats(original):
     return local_grads
 
 
+def _warmup_one_step_late(original):
+    """``make_schedule`` whose warmup_cosine hands over to the cosine one step late.
+
+    BUG: ``join_schedules([warmup, cosine], [w + 1])`` (the peak step counted as part of the
+    warmup) instead of ``[w]``. warmup(w) = base_lr * w / w = base_lr = cosine(0), so the
+    lr of update w is still right; from update w + 1 on the cosine runs one step behind:
+    lr(t) = correct lr(t - 1) for t > w."""
+    import jax.numpy as jnp
+
+    def make_schedule(name, base_lr, total_steps, *, warmup_steps=0, **kwargs):
+        schedule = original(name, base_lr, total_steps, warmup_steps=warmup_steps, **kwargs)
+        if name != "warmup_cosine" or not warmup_steps:
+            return schedule
+        w = warmup_steps
+        return lambda count: schedule(jnp.where(count > w, count - 1, count))  # BUG: the join at w + 1
+
+    return make_schedule
+
+
+def _adam_bias_correction_off_by_one(original):
+    """``optax``'s ``scale_by_adam`` whose bias correction counts one update too many.
+
+    BUG: m_hat = m / (1 - b1^(t+1)), v_hat = v / (1 - b2^(t+1)) with t = 1 at the first
+    update (torch's ``step`` after its increment), i.e. ``bias_correction(mu, b1, count_inc + 1)``.
+    optax's own arithmetic otherwise: its update runs on a state whose count is one ahead,
+    and the state it returns counts right (so torch's ``step`` still matches), and the
+    moments m, v do not depend on the count at all."""
+    def scale_by_adam(*args, **kwargs):
+        import optax
+
+        adam = original(*args, **kwargs)
+
+        def update(updates, state, params=None):
+            out, new = adam.update(updates, state._replace(count=state.count + 1), params)  # BUG: step + 1
+            return out, new._replace(count=state.count + 1)
+
+        return optax.GradientTransformation(adam.init, update)
+
+    return scale_by_adam
+
+
+SHARD_TENSOR = "layer3.0.conv2.weight"  # in every ResNet variant (basic or bottleneck blocks, any width)
+SHARD_PERTURBATION = 1e-6
+
+
+def _axes(axis) -> Tuple[str, ...]:
+    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _on_first_device_perturbed(tree, axes):
+    """``tree`` (params-shaped: grads, or their chunks) with ``SHARD_TENSOR``'s leaf scaled by
+    1 + 1e-6 on the first device of ``axes`` only (index 0 along every one of them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.interop import param_name_map
+
+    target = param_name_map(tree)[SHARD_TENSOR]
+    first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in _axes(axes)]))
+
+    def leaf(keypath, x):
+        path = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keypath)
+        if path != tuple(target):
+            return x
+        return x * jnp.where(first, 1 + SHARD_PERTURBATION, 1.0).astype(x.dtype)  # BUG: device 0's only
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def _perturbed_allreduce_input(original):
+    """``AllReduce.__call__`` with rank 0's contribution to one tensor 1e-6 too large."""
+    def __call__(self, grads, state, step, axis, n, order):
+        return original(self, _on_first_device_perturbed(grads, axis), state, step, axis, n, order)
+
+    return __call__
+
+
+def _perturbed_reduce_scatter_output(original):
+    """ZeRO-2's ``reduce_scatter`` with device 0's averaged chunk of one tensor 1e-6 too large."""
+    def reduce_scatter(self, grads):
+        return _on_first_device_perturbed(original(self, grads), self.axis)
+
+    return reduce_scatter
+
+
+def _perturbed_chunk_before_division(original):
+    """ZeRO-3/HSDP's ``average_chunks`` fed (global) device 0's summed chunk of one tensor 1e-6 too large."""
+    def average_chunks(self, grads):
+        return original(self, _on_first_device_perturbed(grads, self.batch_axes))
+
+    return average_chunks
+
+
+def _perturbed_first_chunk_grads(original):
+    """dp's ``local_grads`` with chunk 0's gradient of one tensor 1e-6 too large (before the gather to device 0)."""
+    from jaxdp.mesh import DATA_AXIS
+
+    def local_grads(*args, **kwargs):
+        loss, grads, model_state, metrics = original(*args, **kwargs)
+        return loss, _on_first_device_perturbed(grads, DATA_AXIS), model_state, metrics
+
+    return local_grads
+
+
 # ----------------------------------------------------------------------------- the table
 
 def _everywhere(patch: Patch) -> Dict[str, Patch]:
@@ -227,15 +369,43 @@ def _needs_per_device_bn(cfg) -> Optional[str]:
     return _needs_several_devices(cfg)
 
 
+def _needs_late_warmup_end(cfg) -> Optional[str]:
+    if cfg.schedule != "warmup_cosine" or cfg.warmup_steps < 1:
+        return ("it needs --schedule warmup_cosine with --warmup-steps >= 1 (the mistake is where the "
+                "warmup hands over to the cosine)")
+    if cfg.steps < cfg.warmup_steps + 2:
+        return (f"it needs --steps >= warmup_steps + 2 = {cfg.warmup_steps + 2}: the first wrong lr is "
+                f"that of step {cfg.warmup_steps + 1}")
+    return None
+
+
+def _needs_adam(cfg) -> Optional[str]:
+    if cfg.optimizer not in ("adam", "adamw"):
+        return f"it needs --optimizer adam or adamw ({cfg.optimizer} has no bias correction)"
+    return None
+
+
+def _needs_the_shard_tensor(cfg) -> Optional[str]:
+    from jaxdp.models import family
+
+    if family(cfg.model) != "resnet":
+        return f"it perturbs {SHARD_TENSOR}, a ResNet tensor; {cfg.model} has none"
+    return None
+
+
 @dataclass(frozen=True)
 class Bug:
     name: str
     what: str
     patches: Mapping[str, Patch]  # strategy -> where its step makes this mistake
-    step: int                     # where the harness must report the first divergence
+    step: Any                     # where the harness must report the first divergence (or cfg -> that step)
     category: str                 # ... in which category
     leaf: str = ""                # ... and, if set, a tensor whose name ends with this
     requires: Callable[[Any], Optional[str]] = lambda cfg: None  # why a config cannot show it
+
+    def first_step(self, cfg) -> int:
+        """The step the harness must report for ``cfg`` (a late bug's depends on the config)."""
+        return self.step(cfg) if callable(self.step) else self.step
 
     def injection(self, cfg) -> contextlib.AbstractContextManager:
         """The patch for ``cfg.strategy``; ParityError where this bug cannot apply."""
@@ -251,6 +421,8 @@ class Bug:
 ALLREDUCE_BUCKET = Patch(["jaxdp.strategies.sync:AllReduce"], "reduce_bucket", _bucket_fed_n_times)
 STAGE3_DIVISION = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _fed_n_times)
 DDP_BUFFERS = Patch(_modules_calling_ddp_buffers, "ddp_buffers", _last_device_buffers)
+ALLREDUCE_INPUT = Patch(["jaxdp.strategies.sync:AllReduce"], "__call__", _perturbed_allreduce_input)
+STAGE3_CHUNKS = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _perturbed_chunk_before_division)
 
 BUGS: Dict[str, Bug] = {b.name: b for b in (
     Bug("same_padding", "'SAME' padding on the stride-2 convs",
@@ -268,6 +440,19 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         **dict.fromkeys(("ddp", "async", "zero1", "zero2", "zero3", "hsdp"), DDP_BUFFERS),
         "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _last_chunk_stats),
     }, 0, "buffers", requires=_needs_per_device_bn),
+    Bug("late_lr_schedule", "warmup_cosine's cosine starting one step late (after the warmup)",
+        _everywhere(Patch(["jaxdp.optim"], "make_schedule", _warmup_one_step_late)),
+        lambda cfg: cfg.warmup_steps + 1, "params", requires=_needs_late_warmup_end),
+    Bug("adam_bias_correction", "Adam's bias correction with step + 1",
+        # optax.adam/adamw (jaxdp.optim.make_optimizer's chains) call it through this module
+        _everywhere(Patch(["optax._src.transform"], "scale_by_adam", _adam_bias_correction_off_by_one)),
+        0, "params", requires=_needs_adam),
+    Bug("shard_grad_perturbation", f"device 0's gradient chunk of {SHARD_TENSOR} off by 1e-6 (relative)", {
+        "ddp": ALLREDUCE_INPUT, "async": ALLREDUCE_INPUT, "zero1": ALLREDUCE_INPUT,
+        "zero2": Patch(["jaxdp.strategies.zero:ZeRO"], "reduce_scatter", _perturbed_reduce_scatter_output),
+        "zero3": STAGE3_CHUNKS, "hsdp": STAGE3_CHUNKS,
+        "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _perturbed_first_chunk_grads),
+    }, 0, "grads", SHARD_TENSOR, requires=_needs_the_shard_tensor),
 )}
 
 
