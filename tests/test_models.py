@@ -9,6 +9,7 @@ from helpers import init, random_batch, tiny_resnet
 from jaxdp.models import BatchNorm, ModelError, create_model
 
 
+@pytest.mark.float64
 def test_batchnorm_follows_torch_formulas():
     x = np.random.default_rng(0).normal(2.0, 3.0, size=(4, 5, 5, 3))
     bn = BatchNorm(dtype=jnp.float64, param_dtype=jnp.float64)

@@ -97,6 +97,7 @@ def assert_trees_equal(a, b):
 # --- the same function ------------------------------------------------------------
 
 
+@pytest.mark.float64
 def test_float64_logits_and_every_gradient_match_torch():
     tmodel = torch_vit_model()
     fmodel = create_model("vit-tiny", dtype="float64", **TINY)
@@ -287,6 +288,7 @@ def test_fsdp_units_are_the_encoder_blocks():
     assert _fsdp_blocks(resnet) == [b for s in stages for b in getattr(resnet, s)]
 
 
+@pytest.mark.float64
 def test_init_distributions_match_torch():
     """jaxdp's own init draws from torch's distributions: Linear/Conv U(+-1/sqrt(fan_in)),
     LayerNorm 1/0, class token 0, position embeddings N(0, 0.02)."""
@@ -315,6 +317,7 @@ def test_init_distributions_match_torch():
 # --- AdamW + warmup-cosine on ViT params ---------------------------------------------
 
 
+@pytest.mark.float64
 def test_adamw_warmup_cosine_matches_torch_on_vit_params():
     """torch's AdamW (decoupled weight decay) + LambdaLR(torch_lr_lambda) against
     make_optimizer("adamw") + make_schedule, float64, 20 steps, on every ViT tensor
