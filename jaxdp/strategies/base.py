@@ -305,8 +305,9 @@ class Strategy:
         and a fresh closure would recompile each time."""
         if not (self.sharded_params or self.sharded_opt_state) and kind in ("canonical", "from_canonical"):
             # Nothing to pad or cut (DDP, async): a copy placed as asked, no program to compile.
-            out = jax.tree_util.tree_map(jnp.copy, state)
-            return jax.device_put(out, out_shardings(layout.shapes_of(out)) if kind == "from_canonical"
+            # (device_put copies itself; an eager jnp.copy of mesh-sharded leaves first aborted
+            # XLA:CPU once under a loaded 2-worker run.)
+            return jax.device_put(state, out_shardings(layout.shapes_of(state)) if kind == "from_canonical"
                                   else NamedSharding(self.mesh, P()), may_alias=False)
         leaves, treedef = jax.tree_util.tree_flatten(state)
         key = (kind, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
