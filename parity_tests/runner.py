@@ -333,6 +333,11 @@ def plan(cfg: ParityConfig) -> Plan:
         notes.append(f"jaxdp sums with allreduce={cfg.allreduce!r}; torch with the {'nccl' if cuda else 'gloo'} all-reduce")
     p = Plan(cfg, pair, torch_strategy, world, full_batch, jax_options, tcfg, cuda, notes, backend=backend)
     if cfg.compress == "powersgd":
+        from jaxdp.strategies import options_of
+
+        if "powersgd_options" not in options_of(cfg.strategy):  # the shared initial Q goes through it
+            raise ParityError(f"--compress powersgd has no parity run for {cfg.strategy!r}: its PowerSGD "
+                              "cannot be seeded with torch's initial Q (use ddp or zero1)")
         _plan_powersgd(p)
     if full_batch and cfg.strategy != "ddp":
         notes.append(f"torch runs '{torch_strategy}' on one rank with the full batch")
