@@ -40,6 +40,13 @@ shard_grad_perturbation  one device's share of ONE gradient,             step 0,
                          too large: rank 0's contribution to the         tensor's largest entry): over float64's
                          all-reduce, or device 0's chunk of the          1e-10, far under float32's 5e-3. No other
                          reduce-scattered gradient                       gradient is off
+error_feedback_dropped   PowerSGD's new error computed from this step's  step s + 1 (s = ``powersgd_start_iter``),
+                         gradient alone, ``g - out``, not from the       ``comm_state/.../error``: at step s the
+                         error-corrected ``(g + e) - out`` (the old      old error is zero, so nothing differs;
+                         error is applied, then lost)                    step s + 1's grads use step s's (right)
+                                                                         error, and only the error it leaves is
+                                                                         wrong. A harness comparing grads alone
+                                                                         sees it one step later
 =======================  ==============================================  ===========================================
 
 Where each is patched, per strategy:
@@ -64,6 +71,8 @@ shard_grad_perturbation  ddp, async, zero1: ``sync.AllReduce.__call__`` (rank 0'
                          chunk the gathers' transposes summed on device 0; HSDP: device (0, 0)'s, before
                          the replica all-reduce); dp: ``dp.local_grads`` (chunk 0's gradient, before the
                          gather to device 0)
+error_feedback_dropped   ``jaxdp.compression.PowerSGD._compress``: ddp and zero1 (the strategies that take
+                         ``--compress powersgd``)
 =======================  ==============================================================================
 
 The 1/N bugs scale a reduction's input or output by N rather than rewrite it, so they
@@ -355,6 +364,17 @@ def _perturbed_first_chunk_grads(original):
 
 # ----------------------------------------------------------------------------- the table
 
+def _error_feedback_dropped(original):
+    """PowerSGD's compression whose new error forgets the old one: ``g - out``, not ``(g + e) - out``."""
+    def compress(self, grads, extra, step, axis, sum_fn):
+        import jax
+
+        out, new_extra = original(self, grads, extra, step, axis, sum_fn)
+        forgot = jax.tree_util.tree_map(lambda new, old: new - old, new_extra["error"], extra["error"])
+        return out, {**new_extra, "error": forgot}
+    return compress
+
+
 def _everywhere(patch: Patch) -> Dict[str, Patch]:
     return dict.fromkeys(STRATEGIES, patch)
 
@@ -376,6 +396,15 @@ def _needs_late_warmup_end(cfg) -> Optional[str]:
     if cfg.steps < cfg.warmup_steps + 2:
         return (f"it needs --steps >= warmup_steps + 2 = {cfg.warmup_steps + 2}: the first wrong lr is "
                 f"that of step {cfg.warmup_steps + 1}")
+    return None
+
+
+def _needs_two_compressed_steps(cfg) -> Optional[str]:
+    if cfg.compress != "powersgd":
+        return "it needs --compress powersgd"
+    if cfg.steps < cfg.powersgd_start_iter + 2:
+        return (f"it shows at step {cfg.powersgd_start_iter + 1} (the second compressed one), "
+                f"so it needs --steps >= {cfg.powersgd_start_iter + 2}; got {cfg.steps}")
     return None
 
 
@@ -453,6 +482,9 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         "zero3": STAGE3_CHUNKS, "hsdp": STAGE3_CHUNKS,
         "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _perturbed_first_chunk_grads),
     }, 0, "grads", SHARD_TENSOR, requires=_needs_the_shard_tensor),
+    Bug("error_feedback_dropped", "PowerSGD's error feedback computed without the old error",
+        dict.fromkeys(("ddp", "zero1"), Patch(["jaxdp.compression:PowerSGD"], "_compress", _error_feedback_dropped)),
+        lambda cfg: cfg.powersgd_start_iter + 1, "comm_state", "error", requires=_needs_two_compressed_steps),
 )}
 
 

@@ -5,7 +5,8 @@ format; ``runner.run_jax`` produces the same from jaxdp)::
 
     {"loss": float, "loss_per_rank": [float, ...],
      "grads": {torch name: array}, "params": {...}, "buffers": {...},
-     "optimizer_state": {torch name: {"momentum_buffer" | "exp_avg" | "exp_avg_sq" | "step": array}}}
+     "optimizer_state": {torch name: {"momentum_buffer" | "exp_avg" | "exp_avg_sq" | "step": array}},
+     "comm_state": {torch name: {"error": (ranks, *shape), "q": (m, r)}}}   # PowerSGD only
 
 ``flatten`` turns it into ``{key: array}`` with keys such as ``loss``,
 ``loss_per_rank/1``, ``grads/layer1.0.bn1.weight``, ``buffers/bn1.running_var`` and
@@ -42,7 +43,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-CATEGORIES = ("loss", "loss_per_rank", "grads", "wire", "params", "buffers", "optimizer_state")
+CATEGORIES = ("loss", "loss_per_rank", "grads", "wire", "params", "buffers", "optimizer_state",
+              "comm_state")
 
 
 # ----------------------------------------------------------------------------- bounds
@@ -109,7 +111,7 @@ FLOAT64 = Bounds(
 FLOAT32 = Bounds(
     "float32",
     first={"loss": 1e-5, "loss_per_rank": 1e-5, "grads": 5e-3, "params": 5e-3,
-           "buffers": 1e-3, "optimizer_state": 5e-3},
+           "buffers": 1e-3, "optimizer_state": 5e-3, "comm_state": 5e-3},
     later={"loss": 1e-2, "loss_per_rank": 1e-2},
     loss_curve=1e-2,
     why=("float32: step 0 every tensor (loss 1e-5, grads/params/optimizer state 5e-3, BN "
@@ -232,9 +234,10 @@ def flatten(record: Mapping) -> Dict[str, np.ndarray]:
     for cat in ("grads", "params", "buffers"):
         for name, v in (record.get(cat) or {}).items():
             out[f"{cat}/{name}"] = np.asarray(v, np.float64)
-    for name, state in (record.get("optimizer_state") or {}).items():
-        for key, v in state.items():
-            out[f"optimizer_state/{name}/{key}"] = np.asarray(v, np.float64)
+    for cat in ("optimizer_state", "comm_state"):
+        for name, state in (record.get(cat) or {}).items():
+            for key, v in state.items():
+                out[f"{cat}/{name}/{key}"] = np.asarray(v, np.float64)
     return out
 
 

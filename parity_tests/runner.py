@@ -560,7 +560,29 @@ def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
             "buffers": tree_to_torch_names(canon.model_state.get("batch_stats", {}), "batch_stats"),
             "optimizer_state": opt_named,
         })
+        comm = powersgd_state(canon.extra)
+        if comm is not None:
+            records[-1]["comm_state"] = comm
     return records
+
+
+def powersgd_state(extra) -> Optional[Dict[str, Dict[str, np.ndarray]]]:
+    """jaxdp's PowerSGD state (``extra``: per-device error, Q by leaf name) in the torch
+    record's form: {torch name: {"error": (devices, *torch shape), "q": (m, r)}}."""
+    import jax
+
+    from jaxdp.interop import tree_to_torch_names
+
+    if not isinstance(extra, dict) or "error" not in extra:
+        return None
+    errors = extra["error"]
+    devices = jax.tree_util.tree_leaves(errors)[0].shape[0]
+    per_device = [tree_to_torch_names(jax.tree_util.tree_map(lambda e: e[d], errors)) for d in range(devices)]
+    out = {name: {"error": np.stack([named[name] for named in per_device])} for name in per_device[0]}
+    torch_name = {_leaf(name): name for name in out}
+    for leaf, q in (extra.get("q") or {}).items():
+        out[torch_name[leaf]]["q"] = np.asarray(q)
+    return out
 
 
 def run_torch(p: Plan, state_dict: Mapping[str, np.ndarray],

@@ -9,12 +9,13 @@ divergence at the step and in the kind of tensor the bug must show up in first.
 Every step-0, order-1 bug runs on DDP and on ZeRO-3; the strategy-specific patches (where a
 strategy divides by N, or picks its BN buffers, in code of its own) run once each on the others.
 
-Three bugs a weak harness would miss (``HARD_TO_SEE``) run on two or three pairs each, with
+Four bugs a weak harness would miss (``HARD_TO_SEE``) run on two or three pairs each, with
 the exact step and tensor the harness must name: a warmup that ends one step late (nothing
 differs before step 11, so it needs a 12-step run with a schedule that changes the lr every
 step: ``LATE``), Adam's bias correction off by one step (loss, gradients and the moments are
 right; only the update is not), and a 1e-6 relative error in one device's share of one
-gradient (only float64's 1e-10 bound sees it).
+gradient (only float64's 1e-10 bound sees it), and PowerSGD error feedback that forgets the
+old error (right gradients that step; only its error-feedback state, compared by name, shows it).
 """
 
 import re
@@ -73,6 +74,8 @@ HARD_TO_SEE = [
     ("shard_grad_perturbation", "ddp-n2-sgd-nesterov-20steps", 1, f"grads/{bugs.SHARD_TENSOR}"),  # rank 0's share
     ("shard_grad_perturbation", "zero2-n2-accum2-sgd", 1, f"grads/{bugs.SHARD_TENSOR}"),  # reduce-scattered chunk
     ("shard_grad_perturbation", "zero3-n2-adam", 1, f"grads/{bugs.SHARD_TENSOR}"),  # chunk before the 1/N
+    # PowerSGD from step 2: step 3 is the first whose old error is not zero
+    ("error_feedback_dropped", "zero1-powersgd-hook", 4, "comm_state/layer4.0.bn2.bias/error"),
 ]
 
 
@@ -122,6 +125,10 @@ def test_a_bug_a_weak_harness_misses_is_caught_and_named(name, case, steps, key)
         # Only the update is wrong: loss, grads, BN buffers and the (lr- and count-free)
         # momentum buffer or Adam moments of that step all agree.
         assert {e.category for e in compared[step].failures()} == {"params"}, msg
+    if name == "error_feedback_dropped":
+        # Step 3's gradients used step 2's (right) error: only the error it leaves is wrong,
+        # which a harness comparing gradients alone would see one step later.
+        assert {e.category for e in compared[step].failures()} == {"comm_state"}, msg
     if name == "adam_bias_correction":
         # ... by the factor the off-by-one predicts, up to eps / |g| terms.
         b1, b2 = cfg.betas
@@ -143,11 +150,16 @@ def test_a_late_bug_needs_a_run_long_enough_to_show():
         BUGS["late_lr_schedule"].injection(short)
 
 
-def test_every_bug_applies_to_every_pair():
+def test_every_bug_applies_to_every_pair_that_can_show_it():
     """A new pair must say where each bug goes (or why it cannot): an injection that
-    silently patches nothing would make the harness look broken, or worse, fine."""
+    silently patches nothing would make the harness look broken, or worse, fine. A PowerSGD
+    bug goes into every pair whose strategy can run PowerSGD against torch's."""
+    from jaxdp.strategies import options_of
+
+    powersgd = {name for name in PAIRS if "powersgd_options" in options_of(name)}
+    assert powersgd == {"ddp", "zero1"}
     for bug in BUGS.values():
-        assert set(bug.patches) == set(PAIRS), bug.name
+        assert set(bug.patches) == (powersgd if bug.category == "comm_state" else set(PAIRS)), bug.name
 
 
 def test_a_bug_that_cannot_apply_is_refused_before_anything_runs(monkeypatch):

@@ -119,6 +119,12 @@ def test_float64_every_tensor_every_step(name):
     # What was compared: loss, grads, params, BN buffers and optimizer state, every step.
     cats = {e.category for e in steps[-1].entries}
     assert {"loss", "grads", "params", "buffers", "optimizer_state"} <= cats
+    if F64[name].get("compress") == "powersgd":
+        # PowerSGD's own state too: every rank's error feedback and the warm-start Qs, by name.
+        keys = [e.key for e in steps[-1].entries if e.category == "comm_state"]
+        assert any(k.endswith("/error") for k in keys) and any(k.endswith("/q") for k in keys), keys
+        torch_errors = result.torch_records[-1]["comm_state"]
+        assert max(np.abs(s["error"]).max() for s in torch_errors.values()) > 0  # compression ran
     if len(steps) >= 20:
         # The long cases: after 20 steps the error is still step 0's rounding, two orders
         # below the bound: nothing drifts. (SGD: ~1e-13 throughout. Adam's first update moves

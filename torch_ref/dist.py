@@ -154,6 +154,16 @@ def all_gather_floats(values, dev: Optional[torch.device] = None) -> torch.Tenso
     return torch.stack(out).cpu()
 
 
+def all_gather_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` (same shape and dtype everywhere), stacked: (world, *shape), on CPU."""
+    if not dist.is_initialized():
+        return t.detach().reshape(1, *t.shape).cpu()
+    t = t.detach().contiguous()
+    out = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out).cpu()
+
+
 def all_reduce_sum(values, dev: Optional[torch.device] = None) -> torch.Tensor:
     """Elementwise sum over ranks of a vector of floats (float64, returned on CPU)."""
     t = torch.as_tensor(values, dtype=torch.float64, device=dev or device()).reshape(-1).clone()

@@ -36,6 +36,9 @@ What is returned, all numpy, by torch name:
 - ``params``: full params after the step; ``buffers``: rank 0's BN running mean/var.
 - ``optimizer_state``: {name: {"momentum_buffer"} or {"exp_avg", "exp_avg_sq", "step"}},
   consolidated (ZeroRedundancyOptimizer) or gathered (FSDP2 DTensors).
+- ``comm_state`` (PowerSGD only): {name: {"error": every rank's error feedback, stacked
+  (world, *param shape), "q": the warm-start Q (m, r), compressed params only}}, read from
+  the hook's per-bucket state (``torch_ref.powersgd.Hook.named_state``).
 - ``loss``: mean over ranks of each rank's loss (itself the mean over its micro-batches);
   ``loss_per_rank``; ``accuracy`` over the global batch; ``lr`` used by this step.
 """
@@ -181,6 +184,7 @@ class Runner:
         if collect:
             params = strategies.full_params(par)
             opt_state = strategies.full_optimizer_state(par, self.optimizer)
+            comm_state = gathered_comm_state(par.comm_state)
         if tdist.rank() != 0:
             return None
         out = {
@@ -197,7 +201,27 @@ class Runner:
                               if n.endswith(("running_mean", "running_var"))}
             out["optimizer_state"] = {n: {k: _numpy(v) for k, v in s.items()}
                                       for n, s in opt_state.items()}
+            if comm_state is not None:
+                out["comm_state"] = comm_state
         return out
+
+
+def gathered_comm_state(hook) -> Optional[Dict[str, Dict[str, np.ndarray]]]:
+    """A PowerSGD hook's state by param name, every rank's error stacked (one all-gather of
+    all errors, flattened). None for no hook or a stateless one. Collective."""
+    if not hasattr(hook, "named_state"):
+        return None
+    named = hook.named_state()
+    flat = torch.cat([s["error"].reshape(-1) for s in named.values()])
+    every = tdist.all_gather_tensor(flat)
+    out, offset = {}, 0
+    for name, s in named.items():
+        numel = s["error"].numel()
+        out[name] = {"error": _numpy(every[:, offset:offset + numel].reshape(-1, *s["error"].shape))}
+        offset += numel
+        if "q" in s:
+            out[name]["q"] = _numpy(s["q"])
+    return out
 
 
 def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]] = None) -> Runner:

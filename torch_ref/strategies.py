@@ -208,22 +208,11 @@ def hsdp(model: nn.Module, *, device: torch.device, mesh_shape: Optional[Sequenc
 # ----------------------------------------------------------------------------- comm hooks
 
 def powersgd_shapes(model: nn.Module, rank: int, min_compression_rate: float = 2.0) -> Dict[str, Tuple[int, int]]:
-    """{param name: shape of its initial Q} for the params PowerSGD compresses.
+    """{param name: shape of its initial Q} for the params PowerSGD compresses
+    (``torch_ref.powersgd.q_shapes``)."""
+    from torch_ref import powersgd
 
-    PowerSGD views a gradient as the matrix ``g.view(g.shape[0], -1)`` (n x m) and
-    compresses it to P (n x r) and Q (m x r), r = min(n, m, rank), when that saves at
-    least ``min_compression_rate``; smaller tensors (biases, BN) are all-reduced as is.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
-    shapes = {}
-    for name, p in model.named_parameters():
-        n = p.shape[0]
-        m = p.numel() // n
-        r = min(n, m, rank)
-        if _should_compress(n, m, r, min_compression_rate)[0]:
-            shapes[name] = (m, r)
-    return shapes
+    return powersgd.q_shapes(model, rank, min_compression_rate)
 
 
 def register_comm_hook(model, compress: str, *, rank: int = 1, start_iter: int = 1000,
@@ -235,11 +224,12 @@ def register_comm_hook(model, compress: str, *, rank: int = 1, start_iter: int =
     warm start or error feedback), then rank-``rank``
     compression with error feedback and warm start. Its initial Q matrices are random
     (``powersgd_seed``); ``initial_q`` ({param name: array shaped as ``powersgd_shapes``
-    says}) replaces that draw, e.g. to feed both frameworks the same Q. Either way the hook
-    orthogonalises Q before its first use.
+    says}) replaces that draw, e.g. to feed both frameworks the same Q. Returns the
+    ``torch_ref.powersgd.Hook``, whose ``named_state()`` reads its error feedback and Qs.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from torch_ref import powersgd
 
     if compress == "bf16":
         cuda = torch.cuda.is_available()
@@ -250,31 +240,12 @@ def register_comm_hook(model, compress: str, *, rank: int = 1, start_iter: int =
         return None
     if compress != "powersgd":
         raise StrategyError(f"unknown compress {compress!r}; choose one of {', '.join(COMPRESSIONS)}")
-    if rank < 1:
-        raise StrategyError(f"powersgd_rank must be >= 1, got {rank}")
-    if start_iter < 2:
-        raise StrategyError(f"powersgd_start_iter must be >= 2 (torch's PowerSGD with warm start "
-                            f"and error feedback refuses less), got {start_iter}")
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                               start_powerSGD_iter=start_iter, use_error_feedback=True,
-                               warm_start=True, random_seed=seed)
-    if initial_q is None:
-        model.register_comm_hook(state, psgd.powerSGD_hook)
-        return state
-    names = {p: n for n, p in model.module.named_parameters()}
-    expected = powersgd_shapes(model.module, rank, state.min_compression_rate)
-    missing = sorted(set(expected) - set(initial_q))
-    if missing:
-        raise StrategyError(f"initial Q missing for compressed params: {', '.join(missing)}")
-
-    def hook(state, bucket):
-        index = bucket.index()
-        if state.iter >= state.start_powerSGD_iter and index not in state.q_memory_dict:
-            _seed_bucket_q(state, bucket, names, initial_q, expected)
-        return psgd.powerSGD_hook(state, bucket)
-
-    model.register_comm_hook(state, hook)
-    return state
+    try:
+        hook = powersgd.Hook(model.module, rank=rank, start_iter=start_iter, seed=seed, initial_q=initial_q)
+    except powersgd.PowerSGDError as e:
+        raise StrategyError(str(e)) from None
+    hook.register(model)
+    return hook
 
 
 def bf16_compress_hook_gloo(process_group, bucket):
@@ -286,31 +257,6 @@ def bf16_compress_hook_gloo(process_group, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
-
-
-def _seed_bucket_q(state, bucket, names, initial_q, expected) -> None:
-    """Pre-fill the hook's P/Q buffers for this bucket, in the order the hook slices them:
-    compressed tensors grouped by matrix shape, in order of first appearance."""
-    groups: Dict[Tuple[int, int], list] = {}
-    p_size = 0
-    for p, g in zip(bucket.parameters(), bucket.gradients()):
-        name = names[p]
-        if name not in expected:
-            continue
-        n, (m, r) = g.shape[0], expected[name]
-        groups.setdefault((n, m), []).append(name)
-        p_size += n * r
-    buf = bucket.buffer()
-    qs = []
-    for group in groups.values():
-        for name in group:
-            q = torch.as_tensor(initial_q[name])
-            if tuple(q.shape) != expected[name]:
-                raise StrategyError(f"initial Q for {name} has shape {tuple(q.shape)}, "
-                                    f"expected {expected[name]}")
-            qs.append(q.to(buf.dtype).reshape(-1))
-    state.p_memory_dict[bucket.index()] = torch.empty(p_size, device=buf.device, dtype=buf.dtype)
-    state.q_memory_dict[bucket.index()] = (torch.cat(qs) if qs else buf.new_empty(0)).to(buf.device)
 
 
 # ----------------------------------------------------------------------------- the wrapper
