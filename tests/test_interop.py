@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import jaxdp.models
+import torchvision_reference
 from jaxdp.interop import (
     param_name_map,
     state_dict_from_variables,
@@ -393,17 +394,34 @@ def test_init_statistics_match_torchvision():
 # --- torchvision, validation -------------------------------------------------------
 
 
-def test_loads_torchvision_resnet18_strict():
-    torchvision = pytest.importorskip("torchvision")
-    tv = torchvision.models.resnet18()
-    ours = resnet("resnet18", num_classes=1000, stem="imagenet")
+@pytest.mark.parametrize("name", torchvision_reference.MODELS)
+def test_resnets_match_torchvision_recorded(name):
+    """torch_ref's ResNets against torchvision's, as recorded by tests/torchvision_reference.py
+    (torchvision does not import beside this project's CPU torch): the same state_dict names,
+    order and shapes, and, with the same float64 weights, the same logits to rounding."""
+    recorded = torchvision_reference.load()["models"][name]
+    tv_shapes = {k: tuple(s) for k, s in recorded["state_dict"]}
+    ours = resnet(name, num_classes=torchvision_reference.NUM_CLASSES, stem="imagenet")
+    assert list(torchvision_reference.shapes_of(ours).items()) == list(tv_shapes.items())
+    out, want = torchvision_reference.logits(ours, tv_shapes), np.asarray(recorded["logits"])
+    assert np.abs(want).max() > 0.1  # the fixed weights give logits worth comparing
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", torchvision_reference.MODELS)
+def test_resnets_match_torchvision_live(name):
+    """The same against a live torchvision, where one imports (and the record is current)."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision does not import beside "
+                                      "this torch build; test_resnets_match_torchvision_recorded checks the record")
+    tv = getattr(torchvision.models, name)(num_classes=torchvision_reference.NUM_CLASSES)
+    ours = resnet(name, num_classes=torchvision_reference.NUM_CLASSES, stem="imagenet")
     ours.load_state_dict(tv.state_dict(), strict=True)
     assert list(ours.state_dict()) == list(tv.state_dict())
-    x = torch.randn(2, 3, 64, 64)
-    tv.eval()
-    ours.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), tv(x), rtol=0, atol=0)
+    shapes = torchvision_reference.shapes_of(tv)
+    np.testing.assert_array_equal(torchvision_reference.logits(ours, shapes),
+                                  torchvision_reference.logits(tv, shapes))
+    recorded = torchvision_reference.load()["models"][name]
+    assert [[k, list(s)] for k, s in shapes.items()] == recorded["state_dict"]
 
 
 def test_choices_match_jaxdp_models():
