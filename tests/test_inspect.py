@@ -35,6 +35,9 @@ def test_padded_count_pads_only_tensors_no_dimension_of_which_n_divides():
     assert padded_count(shapes, 5) == 3 * 3 * 16 * 25 + 5 * 7 + 10
 
 
+COUNTS = [(name, n) for name in STRATEGIES for n in (4, 8)] + [("zero3", 1), ("zero3", 2)]
+
+
 def test_model_state_bytes_match_the_zero_formulas():
     """Measured == formula with padding (exactly), and within 1% of the plain formula."""
     model = create_model("resnet18", width=8, blocks=(1, 1, 1, 1))  # Ψ = 78,002, f32
@@ -43,22 +46,22 @@ def test_model_state_bytes_match_the_zero_formulas():
     images, labels = rng.normal(size=(8, 16, 16, 3)).astype(np.float32), rng.integers(0, 10, 8).astype(np.int32)
     for opt, k, scalars in (("adam", 8, 4), ("sgd", 4, 0)):
         tx = make_optimizer(opt, 0.1) if opt == "sgd" else make_optimizer(opt, 1e-3)
-        for n in (1, 2, 4, 8) if opt == "adam" else (8,):
-            for name in STRATEGIES if opt == "adam" else ("zero3",):
-                strategy = create_strategy(name, model, classifier(model), tx, make_mesh(n),
-                                           **fsdp_options(name, model))
-                # The sharded init (strategy.init) at N = 8, the canonical variables placed elsewhere.
-                r = measure(strategy, {"image": images[:n], "label": labels[:n]},
-                            variables=None if n == 8 else variables, compile=False)
-                assert (r["psi"], r["param_bytes"], r["opt_bytes_per_param"]) == (78_002, 4, k)
-                # Per-dimension sharding: only the fc bias (10) has no dimension the shard count divides
-                # (8: 10 -> 16, 4: -> 12; hsdp shards over S = N/2).
-                assert r["psi_padded"] == 78_002 + {8: 6, 4: 2, 2: 0, 1: 0}[r["shards"]], (name, n)
-                measured, exact, padded = r["state"]["measured"], r["state"]["formula"], r["state"]["formula_padded"]
-                for part in ("params", "grads", "opt"):
-                    assert measured[part] == padded[part], (name, n, part)
-                    assert abs(measured[part] / exact[part] - 1) < 0.01, (name, n, part)
-                assert measured["opt_scalars"] == scalars  # adam's step count
+        # Every strategy at N = 4 and 8 (pads 2 and 6); zero3 also at N = 1 and 2 (no padding).
+        for name, n in COUNTS if opt == "adam" else (("zero3", 8),):
+            strategy = create_strategy(name, model, classifier(model), tx, make_mesh(n),
+                                       **fsdp_options(name, model))
+            # The sharded init (strategy.init) at N = 8, the canonical variables placed elsewhere.
+            r = measure(strategy, {"image": images[:n], "label": labels[:n]},
+                        variables=None if n == 8 else variables, compile=False)
+            assert (r["psi"], r["param_bytes"], r["opt_bytes_per_param"]) == (78_002, 4, k)
+            # Per-dimension sharding: only the fc bias (10) has no dimension the shard count divides
+            # (8: 10 -> 16, 4: -> 12; hsdp shards over S = N/2).
+            assert r["psi_padded"] == 78_002 + {8: 6, 4: 2, 2: 0, 1: 0}[r["shards"]], (name, n)
+            measured, exact, padded = r["state"]["measured"], r["state"]["formula"], r["state"]["formula_padded"]
+            for part in ("params", "grads", "opt"):
+                assert measured[part] == padded[part], (name, n, part)
+                assert abs(measured[part] / exact[part] - 1) < 0.01, (name, n, part)
+            assert measured["opt_scalars"] == scalars  # adam's step count
 
 
 @pytest.mark.parametrize("name,total", [("ddp", 4 + 4 + 8), ("zero1", 4 + 4 + 8 / 8), ("zero2", 4 + (4 + 8) / 8),
