@@ -75,14 +75,21 @@ def _ints(text: str):
 
 
 def add_bench_args(p) -> None:
+    from jaxdp import choices
+    from jaxdp.flags import deprecated_alias
+
     p.add_argument("--strategies", default=None, help="comma list (default: every registered strategy)")
-    p.add_argument("--n", type=_ints, default=None, help="device counts, e.g. 1,2,4,8 (default 1,2,4,8)")
-    p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50 | vit-tiny | vit-small")
+    p.add_argument("--devices", dest="n", type=_ints, default=None,
+                   help="device counts, e.g. 1,2,4,8 (default 1,2,4,8)")
+    deprecated_alias(p, "--n", "--devices", dest="n", type=_ints)
+    p.add_argument("--model", default="resnet18", choices=choices.MODELS, help="architecture")
     p.add_argument("--width", type=int, default=None, help="ResNet: channels of the first stage (default 16)")
     p.add_argument("--blocks", type=_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1")
-    p.add_argument("--global-batch", type=int, default=None, help="images per step over all devices (default 32)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default)")
-    p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) | adam")
+    p.add_argument("--global-batch-size", dest="global_batch", type=int, default=None,
+                   help="images per step over all devices (default 32)")
+    deprecated_alias(p, "--global-batch", "--global-batch-size", dest="global_batch", type=int)
+    p.add_argument("--dtype", default=None, choices=choices.DTYPES, help="float32 (CPU default) | bfloat16 (GPU default)")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="sgd (momentum 0.9) | adam")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default 2)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
@@ -419,6 +426,10 @@ def _summary(rec: dict, global_batch: int) -> dict:
     return rec
 
 
+class BenchError(ValueError):
+    """A bench request with nothing to measure: one line, no traceback."""
+
+
 def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, timeout_s: float = 600.0,
               pipeline_images: int = 4096, log=print) -> dict:
     import jax
@@ -427,6 +438,10 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
     available = len(jax.devices())
     ns = [n for n in cfg["n"] if n <= available and cfg["global_batch"] % n == 0]
     skipped = [n for n in cfg["n"] if n not in ns]
+    if not ns or not strategies:
+        raise BenchError("nothing to benchmark: no strategy given" if not strategies else
+                         f"nothing to benchmark: every N in {list(cfg['n'])} was skipped (only {available} "
+                         f"devices, or global batch {cfg['global_batch']} not divisible by N)")
     if skipped:
         log(f"bench: skipping N = {skipped} (only {available} devices, or global batch "
             f"{cfg['global_batch']} not divisible)")

@@ -1,4 +1,4 @@
-"""The ``jaxdp`` command: ``jaxdp train ...`` (more subcommands register here).
+"""The ``jaxdp`` command: train, launch, inspect, parity and bench.
 
 Nothing here imports jax at module level: ``--devices N`` must be able to set
 XLA's simulated-device flag before jax starts.
@@ -7,6 +7,8 @@ XLA's simulated-device flag before jax starts.
 import argparse
 import sys
 from typing import List, Optional
+
+from jaxdp.flags import PARSER_OPTIONS
 
 
 def _ints(text: str):
@@ -17,58 +19,65 @@ def _ints(text: str):
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
+    from jaxdp import choices
     from jaxdp.config import TrainConfig
 
     d = TrainConfig()
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, help="resnet18 | resnet34 | resnet50 | vit-tiny | vit-small")
-    g.add_argument("--width", type=int, default=d.width, help="channels of the first stage (64 = torchvision)")
-    g.add_argument("--blocks", type=_ints, default=d.blocks, help="blocks per stage, e.g. 1,1,1,1")
-    g.add_argument("--stem", default=d.stem, help="cifar | imagenet")
-    g.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float64")
+    g.add_argument("--model", default=d.model, choices=choices.MODELS, help="architecture")
+    g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
+    g.add_argument("--blocks", type=_ints, default=d.blocks,
+                   help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the named depth's)")
+    g.add_argument("--stem", default=d.stem, choices=choices.STEMS, help="ResNet stem: 3x3 conv or 7x7 + max-pool")
+    g.add_argument("--dtype", default=d.dtype, choices=choices.DTYPES,
+                   help="bfloat16: bf16 compute with float32 params")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=d.dataset, help="synthetic (offline default) | cifar10")
+    g.add_argument("--dataset", default=d.dataset, choices=choices.DATASETS, help="synthetic works offline")
     g.add_argument("--data-dir", default=d.data_dir, help="CIFAR-10 folder or archive (default $JAXDP_DATA_DIR or ./data)")
     g.add_argument("--download", action="store_true", help="download CIFAR-10 if it is missing")
     g.add_argument("--synthetic-size", type=_ints, default=d.synthetic_size, help="train,test sizes of the synthetic set")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--strategy", default=d.strategy, help="ddp (more in jaxdp.strategies)")
+    g.add_argument("--strategy", default=d.strategy, choices=choices.STRATEGIES, help="data-parallel strategy")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="devices to use (default: all). On a CPU-only machine --devices N simulates N devices"
                         " (any N >= 1), unless XLA_FLAGS already sets --xla_force_host_platform_device_count,"
                         " which then fixes how many there are")
-    g.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size)
+    g.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
+                   help="images per update, over every device and micro-batch")
     g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
     g.add_argument("--sync-bn", action="store_true", help="global BatchNorm statistics (SyncBatchNorm)")
     g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
-    g.add_argument("--allreduce", default=d.allreduce, help="ddp: psum | ring")
-    g.add_argument("--compress", default=d.compress, help="ddp gradient compression: bf16 | fp16 | powersgd")
-    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
+    g.add_argument("--allreduce", default=d.allreduce, choices=choices.ALLREDUCES,
+                   help="ddp: psum, or ring (reduce-scatter + all-gather written out)")
+    g.add_argument("--compress", default=d.compress, choices=choices.COMPRESSIONS,
+                   help="ddp/zero1 gradient compression (default: none)")
+    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
     g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
                    help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
     g.add_argument("--staleness", type=int, default=d.staleness, help="async: max staleness k of worker weights")
     g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=d.epochs)
-    g.add_argument("--optimizer", default=d.optimizer, help="sgd | adam | adamw")
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--momentum", type=float, default=d.momentum)
-    g.add_argument("--nesterov", action="store_true")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--schedule", default=d.schedule, help="constant | cosine | multistep | warmup_cosine")
+    g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training set")
+    g.add_argument("--optimizer", default=d.optimizer, choices=choices.OPTIMIZERS, help="torch.optim's semantics")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="sgd momentum")
+    g.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="L2 added to the gradient (sgd, adam) or decoupled (adamw)")
+    g.add_argument("--schedule", default=d.schedule, choices=choices.SCHEDULES, help="lr schedule over the updates")
     g.add_argument("--milestones", type=_ints, default=d.milestones,
                    help="multistep (required): EPOCHS at whose first step the lr is multiplied by --gamma,"
                         " e.g. 100,150 (torch's MultiStepLR stepped once per epoch)")
     g.add_argument("--gamma", type=float, default=d.gamma, help="multistep: lr factor at each milestone")
-    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="warmup_cosine: linear warmup updates")
+    g.add_argument("--seed", type=int, default=d.seed, help="init, shuffling and augmentation")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=d.out, help="run directory: metrics.jsonl, config.json, checkpoints/")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     g.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds an earlier run: delete its checkpoints and metrics")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps (0 = each epoch)")
-    g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -149,30 +158,38 @@ def _user_errors():
     from jaxdp.strategies import StrategyError
     from jaxdp.launch import LaunchError
     from jaxdp.config import TrainError
+    from jaxdp.bench import BenchError
 
-    return (LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError, TrainError)
+    return (BenchError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError, TrainError)
+
+
+def _subcommand(sub, name: str, summary: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=summary, description=summary, **PARSER_OPTIONS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__.splitlines()[0])
+    from jaxdp import __version__
+
+    parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__.splitlines()[0], **PARSER_OPTIONS)
+    parser.add_argument("--version", action="version", version=f"jaxdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a ResNet with a data-parallel strategy")
+    p = _subcommand(sub, "train", "train a model with a data-parallel strategy")
     add_train_args(p)
     add_job_args(p)
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("launch", help="start a multi-process job: jaxdp launch --nprocs 2 -- jaxdp train ...")
+    p = _subcommand(sub, "launch", "start a multi-process job: jaxdp launch --nprocs 2 -- jaxdp train ...")
     add_launch_args(p)
     p.set_defaults(func=cmd_launch)
-    p = sub.add_parser("inspect", help="per-device memory and collective traffic of a strategy vs the ZeRO formulas")
+    p = _subcommand(sub, "inspect", "per-device memory and collective traffic of a strategy vs the ZeRO formulas")
     from jaxdp.inspect import add_inspect_args  # jax-free at import
 
     add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("parity", help="step-by-step parity of a jaxdp strategy with its PyTorch twin")
+    p = _subcommand(sub, "parity", "step-by-step parity of a jaxdp strategy with its PyTorch twin")
     from parity_tests.runner import add_parity_args  # jax- and torch-free at import
 
     add_parity_args(p)
-    p = sub.add_parser("bench", help="jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N")
+    p = _subcommand(sub, "bench", "jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N")
     from jaxdp.bench import add_bench_args  # jax- and torch-free at import; sets its own device count
 
     add_bench_args(p)

@@ -88,6 +88,9 @@ def ring_all_reduce_many(tree, axis):
     return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves)])
 
 
+ALL_REDUCES = ("psum", "ring")
+
+
 def all_reduce_fn(name: str):
     """The SUM all-reduce of a pytree (one collective for all of it) a strategy asked for by
     name: ``psum`` (XLA's, variadic) or ``ring`` (the ppermutes above)."""
@@ -95,4 +98,4 @@ def all_reduce_fn(name: str):
         return jax.lax.psum
     if name == "ring":
         return ring_all_reduce_many
-    raise ValueError(f"unknown allreduce {name!r}; choose psum or ring")
+    raise ValueError(f"unknown allreduce {name!r}; choose one of {', '.join(ALL_REDUCES)}")

@@ -156,8 +156,11 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
     try:
         for k, pid in enumerate(ids):
             env = child_env(os.environ, coordinator, total, pid, k, local, devices_per_proc)
-            procs.append(subprocess.Popen(list(command), env=env, start_new_session=True,
-                                          preexec_fn=_die_with_parent))
+            try:
+                procs.append(subprocess.Popen(list(command), env=env, start_new_session=True,
+                                              preexec_fn=_die_with_parent))
+            except OSError as e:  # no such program, not executable: the user's command, said in one line
+                raise LaunchError(f"cannot start {command[0]!r}: {e.strerror}") from None
         say(f"started process(es) {ids[0]}..{ids[-1]} of {total}, coordinator {coordinator}, pids "
             + " ".join(str(p.pid) for p in procs))
         running = dict(zip(ids, procs))

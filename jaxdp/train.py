@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxdp.config import TrainConfig, TrainError, check_choice, check_config
+from jaxdp.progress import Throughput, progress_bar, say
 
 
 IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10 and the synthetic set
@@ -326,14 +327,16 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     and raises ``KeyboardInterrupt``; a second Ctrl-C raises ``TrainingAborted`` at once,
     without a checkpoint."""
     import jax
-    from tqdm.auto import tqdm
 
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.data import Prefetcher, epoch_batches
     from jaxdp.mesh import barrier, process_ranks
 
     check_config(cfg)
-    earlier_run = refuse_earlier_run(cfg, latest_jaxdp_checkpoint(cfg.out))
+    latest = latest_jaxdp_checkpoint(cfg.out)
+    if cfg.resume and latest is None:
+        raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out))
+    earlier_run = refuse_earlier_run(cfg, latest)
     strategy, schedule, train_set, test_set, per_device, steps_per_epoch = _setup(cfg)
 
     is_main = jax.process_index() == 0
@@ -362,10 +365,21 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
             check_meta=lambda m: _check_fingerprint(m["fingerprint"], fingerprint, ckpt.directory))
         state = strategy.from_stored(stored)
         start_epoch, start_step, global_step = _resume_position(meta, data_position, steps_per_epoch, is_main)
+        if start_epoch >= cfg.epochs or (start_epoch == cfg.epochs - 1 and start_step >= steps_per_epoch):
+            raise TrainError(f"the run in {cfg.out} already finished its {cfg.epochs} epoch(s) (step "
+                             f"{global_step}): nothing to resume")
+        if is_main:
+            epoch, done = (start_epoch + 1, 0) if start_step >= steps_per_epoch else (start_epoch, start_step)
+            print(f"jaxdp: resuming from step {global_step} (epoch {epoch + 1}, sample "
+                  f"{done * cfg.global_batch_size} of {len(train_set)})", file=sys.stderr, flush=True)
+    elif cfg.resume:  # checkpoint folders, but none restorable
+        raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out))
     else:
         # Each device creates only its own shards (see Strategy.init).
         state = strategy.init(jax.random.key(cfg.seed), example)
     barrier("init")  # the processes finish compiling the init at different times (see mesh.barrier)
+    if is_main and cfg.progress:
+        print(startup_header(cfg, strategy, state, per_device), file=sys.stderr, flush=True)
     start_global_step = global_step
     if is_main:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -391,6 +405,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     # A job checkpoints only all together, and its processes may stand at different steps.
     interrupt = DeferredInterrupt("jaxdp", enabled=jax.process_count() == 1)
     records = None
+    throughput = Throughput(cfg.global_batch_size)
     t_start = time.perf_counter()
     try:
         with interrupt:
@@ -401,9 +416,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
                                   epoch=epoch, seed=cfg.seed, start_step=first, ranks=ranks),
                     transform=shard,
                 )
-                bar = tqdm(total=steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                           disable=not (cfg.progress and is_main), unit="step", dynamic_ncols=True)
-                records = _PendingRecords(log, bar, cfg.global_batch_size)
+                bar = progress_bar(steps_per_epoch, first, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and is_main)
+                throughput.restart()  # the first interval holds the compile, or the last evaluation
+                records = _PendingRecords(log, bar, throughput)
                 for step_in_epoch, (batch, ids) in enumerate(batches, start=first):
                     if global_step == start_global_step and jax.process_count() > 1:
                         strategy.lower_step(state, batch).compile()  # jit reuses it
@@ -437,7 +452,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
                 result = evaluate(strategy, state, test_set, per_device, ranks)
                 log.write({"kind": "eval", "epoch": epoch + 1, "step": global_step, **result})
                 if is_main:
-                    tqdm.write(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
+                    say(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
                 summary["eval"] = result
                 position = (epoch + 1, 0)
                 save()
@@ -462,14 +477,47 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     return summary
 
 
+def startup_header(cfg: TrainConfig, strategy, state, per_device: int) -> str:
+    """Versions, devices, mesh, batch, parameter count and the model state each device
+    holds (measured: the bytes of device 0's shards of the state just built)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import jax
+
+    from jaxdp import __version__
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    devices = strategy.mesh.devices.flatten()
+    first = devices[0]
+    held = sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(state)
+               for shard in getattr(leaf, "addressable_shards", ()) if shard.device == first)
+    shapes = getattr(strategy, "shapes", None)  # the full params' shapes, once a state is built
+    params = f"{sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes)):,}" if shapes else "?"
+    mesh = " x ".join(f"{name}={size}" for name, size in strategy.mesh.shape.items())
+    return "\n".join([
+        f"jaxdp {__version__} (jax {jax.__version__}, flax {installed('flax')}, optax {installed('optax')}, "
+        f"torch {installed('torch')})",
+        f"backend {jax.default_backend()}: {len(devices)} x {first.device_kind}, {jax.process_count()} "
+        f"process(es); mesh {mesh}",
+        f"{cfg.strategy} training {cfg.model} ({params} params, {cfg.dtype}): micro-batch "
+        f"{per_device // cfg.accum_steps} x {cfg.accum_steps} accumulation step(s) per device x {len(devices)} "
+        f"devices = global batch {cfg.global_batch_size}",
+        f"model state per device: {held / 2**20:.2f} MiB (params, optimizer state, buffers)",
+    ])
+
+
 class _PendingRecords:
     """Train records whose metrics are still being computed: the loop writes a step's
     record once the next step is queued, so reading its loss never stalls the device."""
 
-    def __init__(self, log, bar, global_batch: int):
-        self.log, self.bar, self.global_batch = log, bar, global_batch
+    def __init__(self, log, bar, throughput):
+        self.log, self.bar, self.throughput = log, bar, throughput
         self.pending = []
-        self.t_last = time.perf_counter()
 
     def add(self, step: int, epoch: int, lr: float, metrics) -> None:
         self.pending.append((step, epoch, lr, metrics))
@@ -478,7 +526,7 @@ class _PendingRecords:
         """Write the records, oldest first, but the newest ``keep_newest``. A record leaves
         the queue only once written, so an interruption here loses none of them."""
         while len(self.pending) > keep_newest:
-            self.t_last = _report(self.pending[0], self.log, self.bar, self.global_batch, self.t_last)
+            _report(self.pending[0], self.log, self.bar, self.throughput)
             self.pending.pop(0)
 
 
@@ -539,6 +587,8 @@ def interrupted_message(e: KeyboardInterrupt) -> str:
 
 # ----------------------------------------------------------------------------- the run directory
 
+NOTHING_TO_RESUME = ("--resume: {out} holds no checkpoint to resume from (check --out, or drop --resume "
+                     "to start a new run there)")
 EARLIER_RUN = ("{out} already holds checkpoints of an earlier run (latest step {step}): pass --resume to "
                "continue it, --overwrite to start over, or another --out")
 
@@ -605,16 +655,14 @@ def _resume_position(meta: dict, data_position, steps_per_epoch: int, is_main: b
     return epoch, min(step, steps_per_epoch), global_step
 
 
-def _report(pending, log, bar, global_batch, t_last):
+def _report(pending, log, bar, throughput):
     step, epoch, lr, metrics = pending
     loss = float(metrics["loss"])  # waits for that step only; the next is already queued
-    now = time.perf_counter()
-    ips = global_batch / max(now - t_last, 1e-9)
+    ips = throughput.tick()  # None for a step whose time holds the compile
     log.write({"kind": "train", "epoch": epoch + 1, "step": step, "loss": loss,
                "accuracy": float(metrics["accuracy"]), "lr": lr, "images_per_sec": ips})
-    bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:,.0f}")
+    bar.set_postfix(loss=f"{loss:.4f}", **({"img_s": f"{ips:,.0f}"} if ips else {}))
     bar.update(1)
-    return now
 
 
 def _check_fingerprint(saved: dict, current: dict, where: str) -> None:

@@ -145,9 +145,9 @@ def make_plan(mode: str, n: int, backend: str, dtypes: Sequence[str], strategies
         cfg = {"model": b["model"], "width": b["width"], "blocks": b["blocks"],
                "global_batch": b["per_device_batch"] * n, "dtype": b["dtype"], "optimizer": "sgd",
                "steps": b["steps"], "warmup": b["warmup"], "n": [n], "torch_backend": backend}
-        args = ["--strategies", BENCH_STRATEGY, "--n", str(n), "--model", b["model"], "--width", str(b["width"]),
+        args = ["--strategies", BENCH_STRATEGY, "--devices", str(n), "--model", b["model"], "--width", str(b["width"]),
                 *(["--blocks", ",".join(map(str, b["blocks"]))] if b["blocks"] else []),
-                "--global-batch", str(cfg["global_batch"]), "--dtype", b["dtype"], "--steps", str(b["steps"]),
+                "--global-batch-size", str(cfg["global_batch"]), "--dtype", b["dtype"], "--steps", str(b["steps"]),
                 "--warmup", str(b["warmup"]), "--out", os.path.join(out, "bench"), "--tag", "bench"]
         bench_plan = {"strategy": BENCH_STRATEGY, "n": n, "config": cfg, "status": "PLANNED",
                       "command": f"JAXDP_TORCH_BACKEND={backend} jaxdp bench " + shlex.join(args)}

@@ -8,10 +8,12 @@ which is what points at the bug when porting a strategy.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import platform
+import sys
 from typing import List, Optional
 
 
@@ -207,9 +209,13 @@ def plot(result, path: str) -> str:
 
 
 def write(result, out_dir: str, extra_png: Optional[str] = None) -> List[str]:
+    """report.json, and the plot where matplotlib is installed (without it: a note, no plot)."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = [write_json(result, os.path.join(out_dir, "report.json")),
-             plot(result, os.path.join(out_dir, "parity.png"))]
+    paths = [write_json(result, os.path.join(out_dir, "report.json"))]
+    if importlib.util.find_spec("matplotlib") is None:
+        print("jaxdp parity: no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return paths
+    paths.append(plot(result, os.path.join(out_dir, "parity.png")))
     if extra_png:
         os.makedirs(os.path.dirname(os.path.abspath(extra_png)), exist_ok=True)
         paths.append(plot(result, extra_png))

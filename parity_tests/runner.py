@@ -36,7 +36,7 @@ jaxdp                       torch_ref (PyTorch)                             rank
 ==========================  ==============================================  ======  =================================
 ddp                         DistributedDataParallel, broadcast_buffers      N       BN: per-rank stats, rank 0's
                                                                                     running stats
-ddp --accum K               DDP, ``no_sync()`` on K-1 micro-steps           N       loss/K per micro-step
+ddp --accum-steps K         DDP, ``no_sync()`` on K-1 micro-steps           N       loss/K per micro-step
 ddp --sync-bn               CUDA: DDP + SyncBatchNorm (N ranks);            N / 1   SyncBatchNorm raises on CPU
                             CPU: ONE process on the full global batch               tensors; full-batch BN is the
                                                                                     same math (global statistics)
@@ -295,9 +295,9 @@ def plan(cfg: ParityConfig) -> Plan:
     if cfg.dtype not in ("float32", "float64", "bfloat16"):
         raise ParityError(f"--dtype must be float32, float64 or bfloat16, got {cfg.dtype!r}")
     if cfg.steps < 1 or cfg.devices < 1 or cfg.accum < 1 or cfg.batch_per_device < 1:
-        raise ParityError("--steps, --devices, --accum and --batch-per-device must be >= 1")
+        raise ParityError("--steps, --devices, --accum-steps and --batch-per-device must be >= 1")
     if cfg.batch_per_device % cfg.accum:
-        raise ParityError(f"--batch-per-device {cfg.batch_per_device} is not divisible by --accum {cfg.accum}")
+        raise ParityError(f"--batch-per-device {cfg.batch_per_device} is not divisible by --accum-steps {cfg.accum}")
     if not 1 <= cfg.image_size <= 32:
         raise ParityError(f"--image-size must be in 1..32 (a centre crop of the 32x32 images), got {cfg.image_size}")
     for name, opt in OPTIONS.items():
@@ -756,42 +756,49 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     """The ``jaxdp parity`` arguments (also ``python -m parity_tests``)."""
     d = ParityConfig()
     g = p.add_argument_group("pair")
-    g.add_argument("--strategy", default=d.strategy, help=f"jaxdp strategy: {' | '.join(PAIRS)}")
+    from jaxdp import choices
+    from jaxdp.flags import deprecated_alias
+
+    g.add_argument("--strategy", default=d.strategy, choices=tuple(PAIRS), help="jaxdp strategy")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="jaxdp devices = torch ranks (on CPU the devices are simulated)")
-    g.add_argument("--accum", type=int, default=d.accum, help="micro-batches per update (torch no_sync)")
+    g.add_argument("--accum-steps", dest="accum", type=int, default=d.accum,
+                   help="micro-batches per update (torch no_sync)")
+    deprecated_alias(g, "--accum", "--accum-steps", dest="accum", type=int)
     g.add_argument("--sync-bn", action="store_true", help="global BN statistics (torch: see the pair table)")
-    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
-    g.add_argument("--allreduce", default=d.allreduce, help="ddp, zero1: psum | ring")
-    g.add_argument("--compress", default=d.compress, help="ddp, zero1: bf16 | fp16 | powersgd")
-    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
-    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter)
+    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
+    g.add_argument("--allreduce", default=d.allreduce, choices=choices.ALLREDUCES, help="ddp, zero1")
+    g.add_argument("--compress", default=d.compress, choices=choices.COMPRESSIONS,
+                   help="ddp, zero1 gradient compression (default: none)")
+    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
+    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
+                   help="powersgd: plain all-reduce for the first N steps")
     g.add_argument("--staleness", type=int, default=d.staleness, help="async: only 0 has a torch twin")
     g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d.model, help="resnet18 | resnet34 | resnet50 | vit-tiny | vit-small")
+    g.add_argument("--model", default=d.model, choices=choices.MODELS, help="architecture")
     g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
     g.add_argument("--blocks", type=_ints, default=d.blocks, help="ResNet: blocks per stage, e.g. 1,1,1,1 or 2,2,2,2")
-    g.add_argument("--stem", default=d.stem, help="ResNet: cifar | imagenet")
+    g.add_argument("--stem", default=d.stem, choices=choices.STEMS, help="ResNet stem")
     for size in ("depth", "dim", "heads", "mlp_dim", "patch"):
         g.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
                        help=f"ViT: {size} (default: the named model's)")
-    g.add_argument("--dtype", default=d.dtype, help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
-    g.add_argument("--steps", type=int, default=d.steps)
-    g.add_argument("--batch-per-device", type=int, default=d.batch_per_device)
+    g.add_argument("--dtype", default=d.dtype, choices=choices.DTYPES, help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
+    g.add_argument("--steps", type=int, default=d.steps, help="updates compared")
+    g.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="images per device per update")
     g.add_argument("--image-size", type=int, default=d.image_size, help="centre crop S x S of the 32x32 images")
     g.add_argument("--dataset-size", type=int, default=d.dataset_size, help="synthetic training images")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=int, default=d.seed, help="init and data order")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", default=d.optimizer, help="sgd | adam | adamw")
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--momentum", type=float, default=d.momentum)
-    g.add_argument("--nesterov", action="store_true")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--betas", type=_floats, default=d.betas)
-    g.add_argument("--eps", type=float, default=d.eps)
-    g.add_argument("--schedule", default=d.schedule, help="constant | cosine | multistep | warmup_cosine (short runs)")
-    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    g.add_argument("--optimizer", default=d.optimizer, choices=choices.OPTIMIZERS, help="torch.optim's semantics")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="sgd momentum")
+    g.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 (sgd, adam) or decoupled (adamw)")
+    g.add_argument("--betas", type=_floats, default=d.betas, help="adam, adamw: b1,b2")
+    g.add_argument("--eps", type=float, default=d.eps, help="adam, adamw")
+    g.add_argument("--schedule", default=d.schedule, choices=choices.SCHEDULES, help="lr schedule over the updates")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="warmup_cosine: linear warmup updates")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="runs/parity", help="report.json and parity.png go here")
     g.add_argument("--png", default=None, help="also write the plot to this path (e.g. docs/parity.png)")
@@ -805,7 +812,8 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
                    help="demo: run jaxdp with a deliberate bug (same_padding | biased_var | "
                         "missing_1_over_n | wrong_shard_bn | late_lr_schedule (needs --schedule "
                         "warmup_cosine, --steps >= --warmup-steps + 2) | adam_bias_correction (adam, "
-                        "adamw) | shard_grad_perturbation (float64 only sees it)) and watch the harness "
+                        "adamw) | shard_grad_perturbation (float64 only sees it) | error_feedback_dropped "
+                        "(--compress powersgd, --steps >= --powersgd-start-iter + 2)) and watch the harness "
                         "name it; exit status 1 when it is caught, 3 when it is not (the harness is broken)")
     p.set_defaults(func=cmd_parity)
 

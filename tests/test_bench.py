@@ -13,7 +13,7 @@ from jaxdp.cli import main
 
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path / "bench"
-    rc = main(["bench", "--strategies", "ddp", "--n", "2", "--width", "4", "--blocks", "1,1,1,1",
+    rc = main(["bench", "--strategies", "ddp", "--devices", "2", "--width", "4", "--blocks", "1,1,1,1",
                "--global-batch", "4", "--steps", "2", "--warmup", "1", "--pipeline-images", "64",
                "--out", str(out), "--tag", "smoke"])
     assert rc == 0

@@ -5,6 +5,7 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
 
 import jaxdp
 
@@ -18,6 +19,7 @@ def _load():
     return module
 
 
+@pytest.mark.slow
 def test_custom_model_trains_with_zero3_as_with_ddp():
     example = _load()
     zero3 = example.train(jaxdp.ZeRO(stage=3, units=(example.Block,)), steps=12)

@@ -44,6 +44,7 @@ def complete_steps(out):
     return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_factory):
     """2 processes x 2 devices, 8 steps, a checkpoint every 4. Process 1 is SIGKILLed after
     step 6, i.e. with steps 5 and 6 done but not checkpointed: the launcher stops process 0
@@ -100,6 +101,7 @@ def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_
     np.testing.assert_array_equal(epoch_ids(elastic, 0), np.arange(256))
 
 
+@pytest.mark.slow
 def test_partial_and_corrupted_checkpoints_fall_back_to_the_last_good_one(tmp_path):
     cfg = TrainConfig(out=str(tmp_path), devices=2, synthetic_size=(256, 32), checkpoint_every=2, **TINY)
     train(cfg, stop_after_steps=5)  # checkpoints 2 and 4 (and 5, the interruption's)
@@ -145,6 +147,7 @@ def _largest_file(root):
     return max(files, key=os.path.getsize)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3" if "zero3" in REGISTRY else "ddp"])
 def test_resume_on_half_the_devices_repartitions_the_rest_of_the_epoch(tmp_path, capsys, strategy):
     """4 devices, checkpoint after 3 of 8 steps, resume on 2: the sharded checkpoint

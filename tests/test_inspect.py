@@ -80,6 +80,7 @@ def compiled_reports():
     return {name: inspect_strategy(name, 8, **kw) for name in ("ddp", "zero3")}
 
 
+@pytest.mark.slow
 def test_zero3_collectives_and_traffic(compiled_reports):
     ddp, z3 = compiled_reports["ddp"], compiled_reports["zero3"]
     pbytes = z3["param_bytes"] * z3["psi"]

@@ -136,6 +136,7 @@ def final_state(out):
     return jax.tree_util.tree_map(np.asarray, checkpointer.restore(path, like))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [s for s in ("ddp", "zero3") if s in REGISTRY])
 def test_two_processes_match_one(tmp_path, mp_cache, strategy):
     """2 processes x 2 devices == 1 process x 4 devices, float64: losses, params, optimizer

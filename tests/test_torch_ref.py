@@ -340,6 +340,7 @@ def _records(path):
     return rs
 
 
+@pytest.mark.slow
 def test_torchrun_zero3_writes_metrics_and_checkpoints_and_resumes(tmp_path):
     """torchrun, 2 ranks, 8 steps (256 images / 32). Resuming from the step-3 checkpoint
     (the later ones deleted) must replay steps 4-8 and the eval exactly."""

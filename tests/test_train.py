@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxdp
 import jaxdp.train as train_module
 from jaxdp.cli import main
 from jaxdp.config import TrainConfig
@@ -64,12 +65,28 @@ def assert_same_run(out, resumed, uninterrupted):
 
 # ----------------------------------------------------------------------------- resume and Ctrl-C
 
-def test_interrupted_and_resumed_run_is_bit_exact(tmp_path, uninterrupted):
+def test_interrupted_and_resumed_run_is_bit_exact(tmp_path, uninterrupted, capsys):
     split = dataclasses.replace(uninterrupted[0], out=str(tmp_path))
     first = train(split, stop_after_steps=5)  # mid-epoch: 8 steps per epoch
     assert first["interrupted"]
+    capsys.readouterr()
     resumed = train(dataclasses.replace(split, resume=True))
+    assert "jaxdp: resuming from step 5 (epoch 1, sample 160 of 256)\n" in capsys.readouterr().err
     assert_same_run(split.out, resumed, uninterrupted)
+
+
+def test_resume_of_a_finished_run_or_an_empty_directory_is_one_clear_line(tmp_path, uninterrupted, capsys):
+    whole, _ = uninterrupted
+    args = ["train", "--resume", "--width", "4", "--blocks", "1,1,1,1", "--synthetic-size", "256,64",
+            "--global-batch-size", "32", "--devices", "2", "--epochs", "2", "--lr", "0.05", "--no-progress"]
+    assert main([*args, "--out", whole.out]) == 2
+    assert capsys.readouterr().err == (f"jaxdp: error: the run in {whole.out} already finished its 2 epoch(s) "
+                                       f"(step 16): nothing to resume\n")
+    for empty in (tmp_path / "missing", tmp_path):
+        assert main([*args, "--out", str(empty)]) == 2
+        assert capsys.readouterr().err == (f"jaxdp: error: --resume: {empty} holds no checkpoint to resume from "
+                                           "(check --out, or drop --resume to start a new run there)\n")
+    assert os.listdir(tmp_path) == []  # nothing written, not even the missing --out
 
 
 @pytest.mark.parametrize("how", ["raise", "sigint"])
@@ -109,6 +126,27 @@ def test_resume_refuses_a_different_config(tmp_path, capsys):
                  "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "width: checkpoint 4 vs now 8" in err
+
+
+def test_a_run_logged_to_a_file_has_a_header_plain_progress_and_honest_images_per_second(tmp_path, capsys):
+    """Output that is not a terminal (capsys, a log file): no carriage returns, a line per
+    tenth of the epoch; img/s absent for the step that holds the compile, measured after."""
+    args = [a for a in SMOKE if a != "--no-progress"]
+    assert main(["train", *args, "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith(f"jaxdp {jaxdp.__version__} (jax {jax.__version__}, flax ")
+    assert lines[1].startswith("backend cpu: 2 x cpu, 1 process(es); mesh data=2")
+    from torch_ref.models import create_model as torch_model
+
+    params = sum(p.numel() for p in torch_model("resnet18", width=4, blocks=(1, 1, 1, 1)).parameters())
+    assert lines[2] == (f"ddp training resnet18 ({params:,} params, float32): micro-batch 8 x 1 accumulation "
+                        "step(s) per device x 2 devices = global batch 16")
+    assert lines[3].startswith("model state per device: ")
+    assert [l.split(" (")[0] for l in lines if l.startswith("epoch 1/1")] == [f"epoch 1/1: step {i}/4" for i in (1, 2, 3, 4)]
+    ips = [r["images_per_sec"] for r in read_records(tmp_path)]
+    assert ips[0] is None and all(x > 0 for x in ips[1:]), ips
 
 
 def test_loss_falls_on_the_synthetic_set(tmp_path):
@@ -210,6 +248,7 @@ def test_devices_on_cpu_simulates_them_unless_xla_flags_fixed_the_count(tmp_path
 
 # ----------------------------------------------------------------------------- options end to end
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_args", [
     ["--strategy", "dp"],
     ["--strategy", "ddp", "--allreduce", "ring", "--compress", "bf16"],
@@ -232,6 +271,7 @@ def test_strategy_trains_evaluates_checkpoints_and_resumes_from_the_cli(tmp_path
     assert math_records(out) == full
 
 
+@pytest.mark.slow
 def test_powersgd_start_iter_makes_a_short_run_compress(tmp_path):
     """PowerSGD averages plainly for its first start_iter steps (torch's default 1000). With
     --powersgd-start-iter 2 the third update is compressed: the losses agree with the

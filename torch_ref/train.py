@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from jaxdp.config import TrainConfig, TrainError, check_choice, check_config
+from jaxdp.progress import Throughput, progress_bar, say
 from jaxdp.train import (DeferredInterrupt, TrainingAborted, batchnorm_batch_error, epoch_length,
                          interrupted_message, per_device_batch, refuse_earlier_run, remove_run_files)
 from torch_ref import checkpoint as ckpt
@@ -210,7 +211,6 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
     """Train ``cfg`` in the current process group (world 1 if none is initialised);
     returns a summary. ``stop_after_steps`` simulates an interruption: checkpoint, return.
     Ctrl-C in a world of one: as ``jaxdp.train.train``."""
-    from tqdm.auto import tqdm
 
     from jaxdp.data import Prefetcher, epoch_batches
 
@@ -241,7 +241,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
     position = (start_epoch, start_step)  # (epoch, steps of it done) of the state in hand
     saved = (global_step, position)  # what the newest checkpoint holds
     unlogged = None  # (epoch, loss, correct, lr) of a step whose record is not written yet
-    t_last = time.perf_counter()
+    throughput = Throughput(cfg.global_batch_size)
 
     def save():
         nonlocal saved
@@ -252,19 +252,17 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
 
     def write_record(bar):
         """The record of the step in hand (a collective: the loss is averaged over ranks)."""
-        nonlocal unlogged, t_last
+        nonlocal unlogged
         epoch, loss, correct, lr = unlogged
         loss_sum, correct_sum = tdist.all_reduce_sum([float(loss), float(correct)], runner.parallel.device)
-        now = time.perf_counter()
-        ips = cfg.global_batch_size / max(now - t_last, 1e-9)
-        t_last = now
+        ips = throughput.tick()
         record = {"kind": "train", "epoch": epoch + 1, "step": global_step,
                   "loss": float(loss_sum) / tdist.world_size(),
                   "accuracy": float(correct_sum) / cfg.global_batch_size, "lr": lr, "images_per_sec": ips}
         log.write(record)
         unlogged = None
         if bar is not None:
-            bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{ips:,.0f}")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", **({"img_s": f"{ips:,.0f}"} if ips else {}))
             bar.update(1)
 
     summary = {"steps": 0, "eval": None, "interrupted": False}
@@ -279,9 +277,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
                     epoch_batches(train_set, num_replicas=replicas, batch_per_replica=per_device,
                                   epoch=epoch, seed=cfg.seed, start_step=first, ranks=rows),
                     transform=lambda b: batch_to_torch(runner, b.images, b.labels))
-                bar = tqdm(total=steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                           disable=not (cfg.progress and is_main), unit="step", dynamic_ncols=True)
-                t_last = time.perf_counter()
+                bar = progress_bar(steps_per_epoch, first, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and is_main)
+                throughput.restart()  # the first interval holds the warm-up, or the last evaluation
                 for step_in_epoch, (x, y) in enumerate(batches, start=first):
                     loss, correct, lr = runner.forward_backward(x, y)
                     runner.update()
@@ -305,7 +302,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
                 result = evaluate(runner, test_set, replicas, rows, per_device)
                 log.write({"kind": "eval", "epoch": epoch + 1, "step": global_step, **result})
                 if is_main:
-                    tqdm.write(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
+                    say(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
                 summary["eval"] = result
                 position = (epoch + 1, 0)
                 save()

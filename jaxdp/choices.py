@@ -1,0 +1,17 @@
+"""The names a user picks from on the command line, importable without jax.
+
+The CLI must build its parser (and print ``--help``) before jax starts: ``--devices N``
+sets XLA's simulated-device count first. So the choices live here, as plain tuples; each
+is the same list as its source of truth (``jaxdp.strategies.STRATEGIES``,
+``jaxdp.models.MODELS``, ...), which tests/test_cli.py checks.
+"""
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "dp", "async")
+MODELS = ("resnet18", "resnet34", "resnet50", "vit-tiny", "vit-small")
+STEMS = ("cifar", "imagenet")
+DTYPES = ("float32", "bfloat16", "float64")
+DATASETS = ("synthetic", "cifar10")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
+ALLREDUCES = ("psum", "ring")
+COMPRESSIONS = ("bf16", "fp16", "powersgd")

@@ -1,0 +1,103 @@
+"""The command line as a user meets it: help, version, abbreviations, and one-line errors
+where a traceback used to be."""
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import jaxdp
+from jaxdp import choices
+from jaxdp.cli import build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "jaxdp.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_choices_are_the_libraries_own_lists():
+    """The parser's jax-free lists (jaxdp.choices) name exactly what the library accepts."""
+    import jaxdp.models
+    import jaxdp.strategies
+    from jaxdp.collectives import ALL_REDUCES
+    from jaxdp.compression import COMPRESSORS
+    from jaxdp.data.datasets import DATASETS
+    from jaxdp.optim import OPTIMIZERS, SCHEDULES
+
+    assert choices.STRATEGIES == jaxdp.strategies.STRATEGIES
+    assert choices.MODELS == jaxdp.models.MODELS
+    assert choices.STEMS == jaxdp.models.STEMS
+    assert choices.DTYPES == tuple(jaxdp.models.DTYPES)
+    assert choices.DATASETS == DATASETS
+    assert (choices.OPTIMIZERS, choices.SCHEDULES) == (OPTIMIZERS, SCHEDULES)
+    assert choices.COMPRESSIONS == tuple(c for c in COMPRESSORS if c)
+    assert choices.ALLREDUCES == tuple(ALL_REDUCES)
+
+
+def test_version_is_the_package_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert "version" in project.get("dynamic", []) or project["version"] == jaxdp.__version__
+    assert capsys.readouterr().out == f"jaxdp {jaxdp.__version__}\n"
+
+
+def test_train_help_lists_every_choice_with_its_default():
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
+    for name in choices.STRATEGIES + choices.MODELS + choices.OPTIMIZERS + choices.SCHEDULES:
+        assert name in text, name
+    for shown in ("(default: ddp)", "(default: resnet18)", "(default: 0.1)", "(default: float32)",
+                  "(default: 128)", "(default: runs/default)"):
+        assert shown in text, shown
+
+
+@pytest.mark.parametrize("command", ["train", "parity", "bench", "inspect", "launch"])
+def test_abbreviated_options_are_refused(command, capsys):
+    """argparse takes any unique prefix by default: --epoch would silently mean --epochs."""
+    flag = {"train": "--epoch", "parity": "--step", "bench": "--global-batc", "inspect": "--strat",
+            "launch": "--nproc"}[command]
+    with pytest.raises(SystemExit) as done:
+        main([command, flag, "2"])
+    assert done.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_unknown_choice_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--strategy", "zero4"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'zero4'" in err and "zero3" in err
+
+
+def test_launching_a_missing_program_is_one_line():
+    done = run_cli("launch", "--nprocs", "1", "--", "no-such-program-jaxdp")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "jaxdp: error: cannot start 'no-such-program-jaxdp': No such file or directory\n"
+
+
+def test_bench_with_nothing_to_run_says_why():
+    done = run_cli("bench", "--devices", "3", "--global-batch-size", "8", "--no-torch", "--out", os.devnull)
+    assert done.returncode == 2, done.stderr
+    assert re.fullmatch(r"jaxdp: error: nothing to benchmark: every N in \[3\] was skipped \(only \d+ devices, "
+                        r"or global batch 8 not divisible by N\)", done.stderr.strip().splitlines()[-1]), done.stderr
+
+
+def test_parity_report_without_matplotlib_writes_the_json_and_says_so(tmp_path, monkeypatch, capsys):
+    from parity_tests import report
+
+    class Result:
+        def to_json(self):
+            return {"passed": True}
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as when not installed
+    paths = report.write(Result(), str(tmp_path))
+    assert paths == [str(tmp_path / "report.json")] and os.path.exists(paths[0])
+    assert "no plot: matplotlib is not installed" in capsys.readouterr().err
