@@ -82,13 +82,13 @@ def add_bench_args(p) -> None:
     p.add_argument("--devices", dest="n", type=_ints, default=None,
                    help="device counts, e.g. 1,2,4,8 (default 1,2,4,8)")
     deprecated_alias(p, "--n", "--devices", dest="n", type=_ints)
-    p.add_argument("--model", default="resnet18", choices=choices.MODELS, help="architecture")
+    p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
     p.add_argument("--width", type=int, default=None, help="ResNet: channels of the first stage (default 16)")
     p.add_argument("--blocks", type=_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1")
     p.add_argument("--global-batch-size", dest="global_batch", type=int, default=None,
                    help="images per step over all devices (default 32)")
     deprecated_alias(p, "--global-batch", "--global-batch-size", dest="global_batch", type=int)
-    p.add_argument("--dtype", default=None, choices=choices.DTYPES, help="float32 (CPU default) | bfloat16 (GPU default)")
+    p.add_argument("--dtype", default=None, metavar=choices.listing(choices.DTYPES), help="float32 (CPU default) | bfloat16 (GPU default)")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="sgd (momentum 0.9) | adam")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default 2)")

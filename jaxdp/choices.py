@@ -15,3 +15,9 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
 ALLREDUCES = ("psum", "ring")
 COMPRESSIONS = ("bf16", "fp16", "powersgd")
+
+
+def listing(names) -> str:
+    """``{a,b,c}``: the names in --help, as argparse shows choices. (Not ``choices=``: the
+    library checks names itself, with one-line errors, in the CLI and the Python API alike.)"""
+    return "{" + ",".join(names) + "}"

@@ -24,20 +24,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     d = TrainConfig()
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, choices=choices.MODELS, help="architecture")
+    g.add_argument("--model", default=d.model, metavar=choices.listing(choices.MODELS), help="architecture")
     g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
     g.add_argument("--blocks", type=_ints, default=d.blocks,
                    help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the named depth's)")
-    g.add_argument("--stem", default=d.stem, choices=choices.STEMS, help="ResNet stem: 3x3 conv or 7x7 + max-pool")
-    g.add_argument("--dtype", default=d.dtype, choices=choices.DTYPES,
+    g.add_argument("--stem", default=d.stem, metavar=choices.listing(choices.STEMS), help="ResNet stem: 3x3 conv or 7x7 + max-pool")
+    g.add_argument("--dtype", default=d.dtype, metavar=choices.listing(choices.DTYPES),
                    help="bfloat16: bf16 compute with float32 params")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=d.dataset, choices=choices.DATASETS, help="synthetic works offline")
+    g.add_argument("--dataset", default=d.dataset, metavar=choices.listing(choices.DATASETS), help="synthetic works offline")
     g.add_argument("--data-dir", default=d.data_dir, help="CIFAR-10 folder or archive (default $JAXDP_DATA_DIR or ./data)")
     g.add_argument("--download", action="store_true", help="download CIFAR-10 if it is missing")
     g.add_argument("--synthetic-size", type=_ints, default=d.synthetic_size, help="train,test sizes of the synthetic set")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--strategy", default=d.strategy, choices=choices.STRATEGIES, help="data-parallel strategy")
+    g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="devices to use (default: all). On a CPU-only machine --devices N simulates N devices"
                         " (any N >= 1), unless XLA_FLAGS already sets --xla_force_host_platform_device_count,"
@@ -47,9 +47,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
     g.add_argument("--sync-bn", action="store_true", help="global BatchNorm statistics (SyncBatchNorm)")
     g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
-    g.add_argument("--allreduce", default=d.allreduce, choices=choices.ALLREDUCES,
+    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES),
                    help="ddp: psum, or ring (reduce-scatter + all-gather written out)")
-    g.add_argument("--compress", default=d.compress, choices=choices.COMPRESSIONS,
+    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
                    help="ddp/zero1 gradient compression (default: none)")
     g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
     g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
@@ -58,13 +58,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training set")
-    g.add_argument("--optimizer", default=d.optimizer, choices=choices.OPTIMIZERS, help="torch.optim's semantics")
+    g.add_argument("--optimizer", default=d.optimizer, metavar=choices.listing(choices.OPTIMIZERS), help="torch.optim's semantics")
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     g.add_argument("--momentum", type=float, default=d.momentum, help="sgd momentum")
     g.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help="L2 added to the gradient (sgd, adam) or decoupled (adamw)")
-    g.add_argument("--schedule", default=d.schedule, choices=choices.SCHEDULES, help="lr schedule over the updates")
+    g.add_argument("--schedule", default=d.schedule, metavar=choices.listing(choices.SCHEDULES), help="lr schedule over the updates")
     g.add_argument("--milestones", type=_ints, default=d.milestones,
                    help="multistep (required): EPOCHS at whose first step the lr is multiplied by --gamma,"
                         " e.g. 100,150 (torch's MultiStepLR stepped once per epoch)")
@@ -73,7 +73,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="init, shuffling and augmentation")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=d.out, help="run directory: metrics.jsonl, config.json, checkpoints/")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    g.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="continue from the latest checkpoint in --out; or in RUN_DIR, with that run's "
+                        "options (its config.json), any flag given here overriding them")
     g.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds an earlier run: delete its checkpoints and metrics")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps (0 = each epoch)")
@@ -84,7 +86,10 @@ def config_from_args(args: argparse.Namespace):
     from jaxdp.config import TrainConfig
 
     fields = TrainConfig.__dataclass_fields__
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if isinstance(values.get("resume"), str):  # --resume RUN_DIR: that run's directory is --out
+        values.update(out=values["resume"], resume=True)
+    return TrainConfig(**values)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -111,6 +116,10 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="seconds before the processes give up on a peer that stopped answering")
     g.add_argument("--log-sample-ids", action="store_true",
                    help="write each step's dataset ids to OUT/sample_ids.p<process>.jsonl")
+    g = p.add_argument_group("config file")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="options from a .toml, .json or .yaml file (keys: the flags' names, e.g. "
+                        "global_batch_size = 256); flags given here override it")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -197,10 +206,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def with_file_options(parser: argparse.ArgumentParser, argv: Optional[List[str]], args: argparse.Namespace):
+    """``jaxdp train``'s arguments again, with ``--resume RUN_DIR``'s config.json and then
+    ``--config FILE`` as the defaults: what the command line says wins."""
+    from jaxdp import config_file
+
+    values = {}
+    if isinstance(args.resume, str):
+        values.update(config_file.run_config(args.resume))
+    if args.config:
+        values.update(config_file.load(args.config, drop=config_file.NOT_INHERITED if args.resume else ()))
+    from jaxdp.config import TrainConfig, TrainError
+
+    if isinstance(args.resume, str) and args.out not in (TrainConfig().out, args.resume):
+        raise TrainError(f"--resume {args.resume} continues the run in that directory: drop --out {args.out}")
+    if not values:
+        return args
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    train_parser.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "train":
+            args = with_file_options(parser, argv, args)
             from jaxdp.config import check_config
 
             check_config(config_from_args(args))  # e.g. --devices 0 before it reaches XLA
@@ -210,10 +242,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from jaxdp.train import interrupted_message
+        from jaxdp.train import Preempted, interrupted_message
 
         print(f"jaxdp: {interrupted_message(e)}", file=sys.stderr)
-        return 130
+        return 128 + 15 if isinstance(e, Preempted) else 130  # as the signal's default action would
 
 
 def _simulate_devices(args: argparse.Namespace) -> None:

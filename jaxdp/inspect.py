@@ -710,19 +710,19 @@ def _ints(text: str):
 def add_inspect_args(p) -> None:
     from jaxdp import choices
 
-    p.add_argument("--strategy", default="zero3", choices=choices.STRATEGIES, help="data-parallel strategy")
+    p.add_argument("--strategy", default="zero3", metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
     p.add_argument("--devices", type=int, default=8, help="devices (simulated on CPU)")
     p.add_argument("--mesh-shape", type=_ints, default=None, help="hsdp: replicas,shards")
-    p.add_argument("--allreduce", default=None, choices=choices.ALLREDUCES, help="ddp/async/zero1")
-    p.add_argument("--compress", default=None, choices=choices.COMPRESSIONS, help="ddp/zero1 (async: bf16, fp16)")
+    p.add_argument("--allreduce", default=None, metavar=choices.listing(choices.ALLREDUCES), help="ddp/async/zero1")
+    p.add_argument("--compress", default=None, metavar=choices.listing(choices.COMPRESSIONS), help="ddp/zero1 (async: bf16, fp16)")
     p.add_argument("--powersgd-rank", type=int, default=None, help="ddp/zero1 --compress powersgd: matrix rank r")
     p.add_argument("--staleness", type=int, default=None, help="async: staleness bound k")
-    p.add_argument("--model", default="resnet18", choices=choices.MODELS, help="architecture")
+    p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
     p.add_argument("--width", type=int, default=64, help="ResNet: channels of the first stage (64 = torchvision)")
     p.add_argument("--blocks", type=_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the model's)")
-    p.add_argument("--stem", default="cifar", choices=choices.STEMS, help="ResNet stem")
-    p.add_argument("--optimizer", default="sgd", choices=choices.OPTIMIZERS, help="sgd with momentum 0.9")
-    p.add_argument("--dtype", default="float32", choices=choices.DTYPES, help="params and compute")
+    p.add_argument("--stem", default="cifar", metavar=choices.listing(choices.STEMS), help="ResNet stem")
+    p.add_argument("--optimizer", default="sgd", metavar=choices.listing(choices.OPTIMIZERS), help="sgd with momentum 0.9")
+    p.add_argument("--dtype", default="float32", metavar=choices.listing(choices.DTYPES), help="params and compute")
     p.add_argument("--batch-per-device", type=int, default=1, help="images per device per step")
     p.add_argument("--image-size", type=int, default=32, help="square input images of this side")
     p.add_argument("--no-compile", dest="compile", action="store_false",

@@ -442,7 +442,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
                         batches.close()
                         save()
                         if interrupt.requested:
-                            raise KeyboardInterrupt
+                            raise interrupt.exception()
                         summary.update(interrupted=True, steps=global_step)
                         return summary
                 records.write()
@@ -457,7 +457,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
                 position = (epoch + 1, 0)
                 save()
                 if interrupt.requested:
-                    raise KeyboardInterrupt
+                    raise interrupt.exception()
     except KeyboardInterrupt as e:
         # Keep every completed step: the state in hand is consistent, unless a second Ctrl-C
         # aborted (perhaps inside a step). Not in a multi-process job: see ``interrupt``.
@@ -534,15 +534,20 @@ class TrainingAborted(KeyboardInterrupt):
     """A second Ctrl-C: stop at once, without a checkpoint."""
 
 
-class DeferredInterrupt:
-    """While active, Ctrl-C (SIGINT) only sets ``requested``; the loop checks it between
-    steps, then checkpoints and raises ``KeyboardInterrupt``. Raised where the signal
-    lands, the interrupt could split a step from its bookkeeping (or hit a step whose
-    input buffers were already donated), and the checkpoint would not be the step it
-    claims. A second Ctrl-C raises ``TrainingAborted`` at once.
+class Preempted(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, ``kill``): the step in hand was checkpointed."""
 
-    Only installed from the main thread over Python's default handler: an ignored SIGINT
-    (a background job) or an application's own handler is left alone.
+
+class DeferredInterrupt:
+    """While active, Ctrl-C (SIGINT) and SIGTERM only set ``requested``; the loop checks it
+    between steps, then checkpoints and raises ``exception()`` (``KeyboardInterrupt``, or
+    ``Preempted`` for SIGTERM). Raised where the signal lands, the interrupt could split a
+    step from its bookkeeping (or hit a step whose input buffers were already donated), and
+    the checkpoint would not be the step it claims. A second Ctrl-C raises
+    ``TrainingAborted`` at once.
+
+    Only installed from the main thread over the default handlers: an ignored signal (a
+    background job) or an application's own handler is left alone.
     """
 
     def __init__(self, prog: str, enabled: bool = True):
@@ -551,23 +556,37 @@ class DeferredInterrupt:
 
         self.prog = prog
         self.requested = False
-        self._enabled = (enabled and threading.current_thread() is threading.main_thread()
-                         and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        self.preempted = False
+        main = enabled and threading.current_thread() is threading.main_thread()
+        self._signals = [s for s, default in ((signal.SIGINT, signal.default_int_handler),
+                                             (signal.SIGTERM, signal.SIG_DFL))
+                         if main and signal.getsignal(s) is default]
+        self._previous = {}
 
     def __enter__(self) -> "DeferredInterrupt":
-        if self._enabled:
-            import signal
+        import signal
 
-            signal.signal(signal.SIGINT, self._on_sigint)
+        for s in self._signals:
+            self._previous[s] = signal.signal(s, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._enabled:
-            import signal
+        import signal
 
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
-    def _on_sigint(self, signum, frame) -> None:
+    def exception(self) -> KeyboardInterrupt:
+        return Preempted() if self.preempted else KeyboardInterrupt()
+
+    def _on_signal(self, signum, frame) -> None:
+        import signal
+
+        if signum == signal.SIGTERM:
+            self.requested = self.preempted = True
+            print(f"\n{self.prog}: SIGTERM: finishing this step, then checkpointing it and exiting",
+                  file=sys.stderr, flush=True)
+            return
         if self.requested:
             raise TrainingAborted
         self.requested = True
@@ -578,8 +597,9 @@ class DeferredInterrupt:
 def interrupted_message(e: KeyboardInterrupt) -> str:
     """What the command line says after ``train`` raised ``e`` (both trainers)."""
     step = getattr(e, "checkpointed_step", None)
+    what = "preempted (SIGTERM)" if isinstance(e, Preempted) else "interrupted"
     if step is not None:
-        return f"interrupted; step {step} was checkpointed: add --resume to continue"
+        return f"{what}; step {step} was checkpointed: add --resume to continue"
     if isinstance(e, TrainingAborted):
         return "aborted without a checkpoint; --resume continues from the last one, if any"
     return "interrupted; --resume continues from the last checkpoint, if any"

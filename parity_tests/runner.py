@@ -759,7 +759,7 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     from jaxdp import choices
     from jaxdp.flags import deprecated_alias
 
-    g.add_argument("--strategy", default=d.strategy, choices=tuple(PAIRS), help="jaxdp strategy")
+    g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(PAIRS), help="jaxdp strategy")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="jaxdp devices = torch ranks (on CPU the devices are simulated)")
     g.add_argument("--accum-steps", dest="accum", type=int, default=d.accum,
@@ -767,8 +767,8 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     deprecated_alias(g, "--accum", "--accum-steps", dest="accum", type=int)
     g.add_argument("--sync-bn", action="store_true", help="global BN statistics (torch: see the pair table)")
     g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
-    g.add_argument("--allreduce", default=d.allreduce, choices=choices.ALLREDUCES, help="ddp, zero1")
-    g.add_argument("--compress", default=d.compress, choices=choices.COMPRESSIONS,
+    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES), help="ddp, zero1")
+    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
                    help="ddp, zero1 gradient compression (default: none)")
     g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
     g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
@@ -776,28 +776,28 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--staleness", type=int, default=d.staleness, help="async: only 0 has a torch twin")
     g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d.model, choices=choices.MODELS, help="architecture")
+    g.add_argument("--model", default=d.model, metavar=choices.listing(choices.MODELS), help="architecture")
     g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
     g.add_argument("--blocks", type=_ints, default=d.blocks, help="ResNet: blocks per stage, e.g. 1,1,1,1 or 2,2,2,2")
-    g.add_argument("--stem", default=d.stem, choices=choices.STEMS, help="ResNet stem")
+    g.add_argument("--stem", default=d.stem, metavar=choices.listing(choices.STEMS), help="ResNet stem")
     for size in ("depth", "dim", "heads", "mlp_dim", "patch"):
         g.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
                        help=f"ViT: {size} (default: the named model's)")
-    g.add_argument("--dtype", default=d.dtype, choices=choices.DTYPES, help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
+    g.add_argument("--dtype", default=d.dtype, metavar=choices.listing(choices.DTYPES), help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
     g.add_argument("--steps", type=int, default=d.steps, help="updates compared")
     g.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="images per device per update")
     g.add_argument("--image-size", type=int, default=d.image_size, help="centre crop S x S of the 32x32 images")
     g.add_argument("--dataset-size", type=int, default=d.dataset_size, help="synthetic training images")
     g.add_argument("--seed", type=int, default=d.seed, help="init and data order")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", default=d.optimizer, choices=choices.OPTIMIZERS, help="torch.optim's semantics")
+    g.add_argument("--optimizer", default=d.optimizer, metavar=choices.listing(choices.OPTIMIZERS), help="torch.optim's semantics")
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     g.add_argument("--momentum", type=float, default=d.momentum, help="sgd momentum")
     g.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 (sgd, adam) or decoupled (adamw)")
     g.add_argument("--betas", type=_floats, default=d.betas, help="adam, adamw: b1,b2")
     g.add_argument("--eps", type=float, default=d.eps, help="adam, adamw")
-    g.add_argument("--schedule", default=d.schedule, choices=choices.SCHEDULES, help="lr schedule over the updates")
+    g.add_argument("--schedule", default=d.schedule, metavar=choices.listing(choices.SCHEDULES), help="lr schedule over the updates")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="warmup_cosine: linear warmup updates")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="runs/parity", help="report.json and parity.png go here")

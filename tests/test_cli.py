@@ -70,11 +70,11 @@ def test_abbreviated_options_are_refused(command, capsys):
     assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
-def test_unknown_choice_names_the_choices(capsys):
-    with pytest.raises(SystemExit):
-        main(["train", "--strategy", "zero4"])
+def test_unknown_choice_names_the_choices_in_one_line(capsys):
+    assert main(["train", "--strategy", "zero4", "--out", os.devnull]) == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'zero4'" in err and "zero3" in err
+    assert err.startswith("jaxdp: error: unknown strategy 'zero4'; choose one of ddp, zero1, zero2, zero3, ")
+    assert err.count("\n") == 1
 
 
 def test_launching_a_missing_program_is_one_line():
@@ -101,3 +101,61 @@ def test_parity_report_without_matplotlib_writes_the_json_and_says_so(tmp_path, 
     paths = report.write(Result(), str(tmp_path))
     assert paths == [str(tmp_path / "report.json")] and os.path.exists(paths[0])
     assert "no plot: matplotlib is not installed" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- config files
+
+def train_config(argv):
+    """The TrainConfig that ``jaxdp train`` would run for ``argv`` (nothing trained)."""
+    from jaxdp.cli import config_from_args, with_file_options
+
+    parser = build_parser()
+    return config_from_args(with_file_options(parser, argv, parser.parse_args(argv)))
+
+
+@pytest.mark.parametrize("ext", [".toml", ".json"])
+def test_a_config_file_sets_options_and_flags_override_it(tmp_path, ext):
+    path = tmp_path / f"run{ext}"
+    if ext == ".toml":
+        path.write_text('strategy = "zero3"\nwidth = 8\nblocks = [1, 1, 1, 1]\nglobal-batch-size = 64\nepochs = 3\n')
+    else:
+        path.write_text('{"strategy": "zero3", "width": 8, "blocks": [1, 1, 1, 1], "global_batch_size": 64, '
+                        '"epochs": 3}')
+    cfg = train_config(["train", "--config", str(path), "--epochs", "5"])
+    assert (cfg.strategy, cfg.width, cfg.blocks, cfg.global_batch_size, cfg.epochs) == ("zero3", 8, (1, 1, 1, 1), 64, 5)
+    assert cfg.lr == 0.1  # what neither says: the default
+
+
+def test_a_run_directory_is_resumed_with_its_own_options(tmp_path):
+    from jaxdp.config import TrainConfig
+
+    run = tmp_path / "r18"
+    run.mkdir()
+    (run / "config.json").write_text(TrainConfig(width=8, epochs=4, out="elsewhere", devices=2).to_json())
+    cfg = train_config(["train", "--resume", str(run), "--devices", "4"])
+    assert (cfg.out, cfg.resume, cfg.width, cfg.epochs, cfg.devices) == (str(run), True, 8, 4, 4)
+
+
+@pytest.mark.parametrize("content, ext, message", [
+    ("widht = 8\n", ".toml", "unknown option 'widht'; known: accum_steps, allreduce,"),
+    ("width = \n", ".toml", "TOMLDecodeError"),
+    ("width: 8\n", ".ini", "unknown format .ini; use .toml, .json or .yaml"),
+    (None, ".toml", "no such file"),
+])
+def test_config_file_mistakes_are_one_line(tmp_path, capsys, content, ext, message):
+    path = tmp_path / f"run{ext}"
+    if content is not None:
+        path.write_text(content)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxdp: error: --config {path}: ") and message in err and err.count("\n") == 1, err
+
+
+def test_resume_of_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"jaxdp: error: --resume {tmp_path}: has no config.json (not a jaxdp run directory)\n"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert main(["train", "--resume", str(run), "--out", str(tmp_path / "other")]) == 2
+    assert f"--resume {run} continues the run in that directory: drop --out" in capsys.readouterr().err

@@ -75,6 +75,18 @@ def test_interrupted_and_resumed_run_is_bit_exact(tmp_path, uninterrupted, capsy
     assert_same_run(split.out, resumed, uninterrupted)
 
 
+def test_resume_from_only_the_run_directory(tmp_path, uninterrupted, capsys):
+    """``jaxdp train --resume RUN_DIR`` and nothing else: the run's own options, its data
+    position, and the same losses as the run that was never interrupted."""
+    split = dataclasses.replace(uninterrupted[0], out=str(tmp_path))
+    train(split, stop_after_steps=3)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path)]) == 0
+    assert "jaxdp: resuming from step 3 (epoch 1, sample 96 of 256)" in capsys.readouterr().err
+    whole, _ = uninterrupted
+    assert [r["loss"] for r in read_records(tmp_path)] == [r["loss"] for r in read_records(whole.out)]
+
+
 def test_resume_of_a_finished_run_or_an_empty_directory_is_one_clear_line(tmp_path, uninterrupted, capsys):
     whole, _ = uninterrupted
     args = ["train", "--resume", "--width", "4", "--blocks", "1,1,1,1", "--synthetic-size", "256,64",
@@ -116,6 +128,33 @@ def test_ctrl_c_while_a_record_is_written_checkpoints_the_step_in_hand(how, tmp_
     assert [r["step"] for r in read_records(split.out)] == [1, 2, 3, 4, 5]
     resumed = train(dataclasses.replace(split, resume=True))
     assert_same_run(split.out, resumed, uninterrupted)
+
+
+TINY_ARGS = ["--width", "4", "--blocks", "1,1,1,1", "--synthetic-size", "256,64", "--global-batch-size", "32",
+             "--devices", "2", "--epochs", "2", "--lr", "0.05", "--no-progress"]  # TINY on the command line
+
+
+def test_sigterm_checkpoints_the_step_in_hand_and_exits_cleanly(tmp_path, uninterrupted, monkeypatch, capsys):
+    """A scheduler's preemption (SIGTERM) mid-run: the step in hand is checkpointed, the
+    command exits 143 (128 + SIGTERM) with one line, and --resume continues bit-exactly."""
+    report, calls = train_module._report, []
+
+    def preempted_report(*args):
+        calls.append(args[0][0])
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return report(*args)
+
+    monkeypatch.setattr(train_module, "_report", preempted_report)
+    assert main(["train", *TINY_ARGS, "--out", str(tmp_path)]) == 143
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the trainer's handler is gone
+    err = capsys.readouterr().err
+    assert err.endswith("jaxdp: preempted (SIGTERM); step 5 was checkpointed: add --resume to continue\n"), err
+    assert checkpoint_steps(tmp_path) == [5]
+    assert main(["train", "--resume", str(tmp_path)]) == 0
+    whole, _ = uninterrupted
+    assert [r["loss"] for r in read_records(tmp_path)] == [r["loss"] for r in read_records(whole.out)]
 
 
 def test_resume_refuses_a_different_config(tmp_path, capsys):

@@ -294,7 +294,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
                         batches.close()
                         save()
                         if interrupt.requested:
-                            raise KeyboardInterrupt
+                            raise interrupt.exception()
                         summary.update(interrupted=True, steps=global_step)
                         return summary
                 bar.close()
@@ -307,7 +307,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
                 position = (epoch + 1, 0)
                 save()
                 if interrupt.requested:
-                    raise KeyboardInterrupt
+                    raise interrupt.exception()
     except KeyboardInterrupt as e:
         # One process: the state in hand is consistent, keep it (not after a second Ctrl-C,
         # which may have landed inside a step).
