@@ -1,7 +1,7 @@
 """``jaxdp bench``: jaxdp vs torch_ref side by side, per strategy and device count.
 
     jaxdp bench --quick                       # tiny ResNet, N = 1,2, every strategy (minutes on 2 cores)
-    jaxdp bench --strategies ddp,zero3 --n 1,2 --width 16 --global-batch 32 --steps 10
+    jaxdp bench --strategies ddp,zero3 --devices 1,2 --width 16 --global-batch-size 32 --steps 10
 
 For every (N, strategy) row, in one invocation:
 

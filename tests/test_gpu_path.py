@@ -236,7 +236,7 @@ def test_gpu_check_dry_run_writes_the_plan(gpus, tmp_path, capsys):
     hsdp = next(p for p in plan["pairs"] if p["strategy"] == "hsdp")
     assert parity_config(hsdp["argv"]).mesh_shape == (1, 2)
     assert next(p for p in plan["pairs"] if p["strategy"] == "dp")["torch_twin"] == "dp"  # nn.DataParallel
-    assert plan["bench"]["command"].startswith("JAXDP_TORCH_BACKEND=nccl jaxdp bench --strategies ddp --n 2 ")
+    assert plan["bench"]["command"].startswith("JAXDP_TORCH_BACKEND=nccl jaxdp bench --strategies ddp --devices 2 ")
     assert plan["bench"]["status"] == "PLANNED"
     md = (out / "report.md").read_text()
     assert md.startswith("# gpu-check: DRY RUN")
