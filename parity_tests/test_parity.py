@@ -71,7 +71,7 @@ F32_STEPS = 8  # float32 bounds every tensor at step 0 only, then the loss: fewe
 # float32: each strategy's float32 program once (float64 above holds every pair to 1e-10; a
 # float32 run adds the float32 code path, x64 off, and its measured-noise bounds).
 F32 = {
-    "ddp-n2-sgd-nesterov-20steps": dict(strategy="ddp", devices=2, steps=LONG, **SGD),
+    "ddp-n2-sgd-nesterov": dict(strategy="ddp", devices=2, steps=F32_STEPS, **SGD),
     "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
     "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum=2, steps=SHORT, **ADAMW),
     "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum=2, steps=SHORT, **SGD),

@@ -136,8 +136,11 @@ def final_state(out):
     return jax.tree_util.tree_map(np.asarray, checkpointer.restore(path, like))
 
 
+# zero3: the hardest case (sharded params, reduce-scatter across processes, a sharded
+# checkpoint written by both). 2-process ddp jobs run in test_fault_tolerance.py (kill, resume,
+# every sample once), so a ddp case here would add ~80 s of CPU for what zero3 already checks.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [s for s in ("ddp", "zero3") if s in REGISTRY])
+@pytest.mark.parametrize("strategy", [s for s in ("zero3",) if s in REGISTRY])
 def test_two_processes_match_one(tmp_path, mp_cache, strategy):
     """2 processes x 2 devices == 1 process x 4 devices, float64: losses, params, optimizer
     state, BN buffers; each process fed only its own rows of every batch."""
