@@ -43,7 +43,7 @@ def _x64_only_where_marked(request):
 
 def pytest_collection_modifyitems(config, items):
     """Modules with long tests (marked slow) first, each module kept whole (its module-scoped
-    fixtures build once): the two xdist workers then finish on short tests, together, rather
-    than one waiting for the other's last long parity run."""
+    fixtures build once): the xdist workers then finish on short tests, together, rather
+    than one waiting for another's last long parity run."""
     long_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in long_modules)  # stable: order kept within

@@ -56,8 +56,8 @@ class Hook:
         self.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                         start_powerSGD_iter=start_iter, use_error_feedback=True,
                                         warm_start=True, random_seed=seed)
-        self.module = module
-        self.names = {p: n for n, p in module.named_parameters()}
+        self.params = dict(module.named_parameters())
+        self.names = {p: n for n, p in self.params.items()}
         self.q_shapes = q_shapes(module, rank, self.state.min_compression_rate)
         self.initial_q = dict(initial_q) if initial_q is not None else None
         if self.initial_q is not None:
@@ -83,16 +83,14 @@ class Hook:
         """The bucket's compressed params in the order the hook lays out their Qs:
         grouped by matrix shape (n, m), groups in order of first appearance."""
         groups: Dict[Tuple[int, int], List[str]] = {}
-        params = dict(self.module.named_parameters())
         for name in self.buckets[index]:
             if name in self.q_shapes:
-                groups.setdefault((params[name].shape[0], self.q_shapes[name][0]), []).append(name)
+                groups.setdefault((self.params[name].shape[0], self.q_shapes[name][0]), []).append(name)
         return [name for group in groups.values() for name in group]
 
     def _seed_q(self, bucket) -> None:
         """Pre-fill the hook's P/Q buffers for this bucket with ``initial_q``."""
         index, buf = bucket.index(), bucket.buffer()
-        params = dict(self.module.named_parameters())
         qs, p_size = [], 0
         for name in self._q_order(index):
             q = torch.as_tensor(self.initial_q[name])
@@ -100,7 +98,7 @@ class Hook:
                 raise PowerSGDError(f"initial Q for {name} has shape {tuple(q.shape)}, "
                                     f"expected {self.q_shapes[name]}")
             qs.append(q.to(buf.dtype).reshape(-1))
-            p_size += params[name].shape[0] * q.shape[1]
+            p_size += self.params[name].shape[0] * q.shape[1]
         self.state.p_memory_dict[index] = torch.empty(p_size, device=buf.device, dtype=buf.dtype)
         self.state.q_memory_dict[index] = (torch.cat(qs) if qs else buf.new_empty(0)).to(buf.device)
 
@@ -109,7 +107,7 @@ class Hook:
         ``{"q": (m, r)}`` for the compressed ones. Before compression starts torch has
         allocated neither: the error is then zero (no error feedback yet) and Q the
         ``initial_q`` the first compressed step will use (none if torch draws it)."""
-        params = dict(self.module.named_parameters())
+        params = self.params
         out = {name: {"error": torch.zeros_like(p.detach())} for name, p in params.items()}
         for name, q in (self.initial_q or {}).items():
             out[name]["q"] = torch.as_tensor(q).to(params[name].dtype)
