@@ -96,9 +96,17 @@ def low_precision_reduce(grads, dtype, n: int, axis, sum_fn=jax.lax.psum):
     fp16), and, without the barrier, dropped the quotient's rounding before an all-reduce
     it promotes to f32 (bf16). Both gave 1-ulp differences, none for n a power of 2.
     """
-    parts = jax.tree_util.tree_map(lambda g: (g.astype(dtype).astype(jnp.float32) / n).astype(dtype), grads)
+    parts = jax.tree_util.tree_map(lambda g: (_to_low(g, dtype).astype(jnp.float32) / n).astype(dtype), grads)
     summed = sum_fn(jax.lax.optimization_barrier(parts), axis)
     return jax.tree_util.tree_map(lambda s, g: s.astype(g.dtype), summed, grads)
+
+
+def _to_low(g, dtype):
+    """``g.to(dtype)`` as torch rounds it: c10's Half and BFloat16 are built from a float, so a
+    float64 gradient is rounded to float32 first, then to ``dtype``. A direct f64 -> f16
+    convert rounds once, and XLA emits one where the CPU has it (avx512_fp16): 1-ulp
+    differences in the rare elements where rounding twice differs from rounding once."""
+    return g.astype(jnp.float32).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- PowerSGD helpers

@@ -37,7 +37,8 @@ def shard_grads(model, params, x, y, n):
 def hook_parts(grads, low):
     """What each rank puts on the wire: ``buffer.to(low).div_(N)``.
 
-    The cast goes through float32 (torch and XLA both convert float64 that way); ATen
+    The cast goes through float32, as torch converts float64 (c10's Half/BFloat16 take a
+    float; jaxdp's hook does the same explicitly); ATen
     divides reduced floats in float32 and rounds once, which is the exactly rounded
     quotient (it is never a tie). With N = 2 or 4 the division is exact, wherever it
     happens: only N = 3, 6, ... can tell the orders of cast and division apart."""
