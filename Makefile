@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICKSTART_ARGS := --strategy ddp --model resnet18 --width 8 --devices 2 --global-batch-size 128 \
-	--epochs 2 --synthetic-size 5000,1000 --lr 0.1 --out runs/quickstart --overwrite
+	--epochs 2 --synthetic-size 5000,1000 --lr 0.2 --out runs/quickstart --overwrite
 
 .PHONY: train test install install-gpu gpu-check clean
 

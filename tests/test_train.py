@@ -367,5 +367,6 @@ def test_quickstart_learns_far_better_than_chance(tmp_path):
     assert main(["train", *args, "--no-progress"]) == 0
     final = read_records(str(tmp_path), "eval")[-1]
     # The README's promise, "> 90 % accuracy on the synthetic set after 2 epochs" (measured:
-    # 0.967 after epoch 2, 0.159 after epoch 1; chance is 0.1).
+    # 0.561 after epoch 1, 1.000 after epoch 2; chance is 0.1). lr 0.2 sits inside a wide
+    # margin (0.99 at lr 0.15, 1.0 at 0.3); at lr 0.1 epoch 2 landed on 0.900-0.967 by CPU.
     assert final["epoch"] == 2 and final["accuracy"] > 0.9
