@@ -35,10 +35,12 @@ Ctrl-C kills them; so does the launcher 30 s after the first).
 """
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -164,14 +166,16 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
         say(f"started process(es) {ids[0]}..{ids[-1]} of {total}, coordinator {coordinator}, pids "
             + " ".join(str(p.pid) for p in procs))
         running = dict(zip(ids, procs))
+        exits = _exit_queue(running)
         while running:
-            for pid, p in list(running.items()):
-                code = p.poll()
-                if code is None:
-                    continue
+            try:
+                pid, code = exits.get(timeout=POLL_S)
+            except queue.Empty:
+                pid = None
+            if pid is not None:
                 del running[pid]
                 if code != 0 and not stop_signal:
-                    say(f"process {pid} (pid {p.pid}) {describe(code)}; stopping the other "
+                    say(f"process {pid} (pid {procs[ids.index(pid)].pid}) {describe(code)}; stopping the other "
                         f"{len(running)} process(es)")
                     _stop(running.values(), grace_period)
                     say(f"failed: process {pid} {describe(code)}")
@@ -181,8 +185,6 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
                 say(f"{len(running)} process(es) still running {SIGNAL_GRACE_S:g} s after the signal; stopping them")
                 _stop(running.values(), 0.0)
                 running.clear()
-            if running:
-                time.sleep(POLL_S)
         if stop_signal:
             return 128 + stop_signal[0][0]
         return 0
@@ -190,6 +192,21 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
         _stop([p for p in procs if p.poll() is None], grace_period)
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def _exit_queue(running) -> "queue.Queue":
+    """(process id, exit code) of each process, queued the moment it exits.
+
+    Why a thread per process and not a poll loop: when one process dies, its peers fail
+    soon after (a broken gloo connection aborts them within milliseconds). A poll finds
+    several dead at once and cannot tell which went first; a blocked ``wait`` returns as
+    the kernel reaps each one, so the first failure reported is the cause.
+    """
+    exits: "queue.Queue" = queue.Queue()
+    for pid, p in running.items():
+        threading.Thread(target=lambda pid=pid, p=p: exits.put((pid, p.wait())), daemon=True,
+                         name=f"jaxdp-launch-wait-{pid}").start()
+    return exits
 
 
 def _signal(p: subprocess.Popen, signum: int) -> None:

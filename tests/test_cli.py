@@ -83,6 +83,31 @@ def test_launching_a_missing_program_is_one_line():
     assert done.stderr == "jaxdp: error: cannot start 'no-such-program-jaxdp': No such file or directory\n"
 
 
+# Process 1 kills itself; process 0 notices (as a gloo peer would) and aborts a few ms later.
+_PEER_DIES = """
+import os, signal, sys, time
+flag = sys.argv[1]
+if os.environ["RANK"] == "1":
+    open(flag, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+while not os.path.exists(flag):
+    time.sleep(0.001)
+time.sleep(0.005)
+os.abort()
+"""
+
+
+def test_launch_names_the_process_that_died_first_not_the_peer_it_took_down(tmp_path):
+    """A killed worker takes its peers down within milliseconds (a broken gloo connection
+    aborts them). A 50 ms poll saw both dead and blamed process 0's SIGABRT; the launcher
+    must name process 1's SIGKILL, the cause."""
+    for attempt in range(3):
+        flag = tmp_path / f"dead-{attempt}"
+        done = run_cli("launch", "--nprocs", "2", "--", sys.executable, "-c", _PEER_DIES, str(flag))
+        assert done.returncode == 128 + 9, done.stderr
+        assert "failed: process 1 was killed by SIGKILL" in done.stderr, done.stderr
+
+
 def test_bench_with_nothing_to_run_says_why():
     done = run_cli("bench", "--devices", "3", "--global-batch-size", "8", "--no-torch", "--out", os.devnull)
     assert done.returncode == 2, done.stderr
