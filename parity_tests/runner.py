@@ -692,7 +692,7 @@ def bounds_for(p: Plan):
     return base
 
 
-_TORCH_RUNS: Dict[str, List[dict]] = {}
+_TORCH_RUNS: Dict[Any, List[dict]] = {}  # torch_cache_key, or (key, steps) for a prefix
 _TORCH_RANKS: Dict[str, List[dict]] = {}  # torch_cache_key -> the ranks' rank_info
 
 
@@ -715,13 +715,17 @@ def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
     sd = init_state_dict(cfg)
     batches = make_batches(cfg)
     t1 = time.perf_counter()
+    # A comparison of the first ``jax_steps`` needs only those torch steps: the torch config
+    # (its lr schedule's length included) stays the full run's, so they are its prefix.
+    torch_steps = min(jax_steps or cfg.steps, cfg.steps)
     key = torch_cache_key(p)
-    if reuse_torch and key in _TORCH_RUNS:
-        torch_records = _TORCH_RUNS[key]
+    cached = (_TORCH_RUNS.get(key) or _TORCH_RUNS.get((key, torch_steps))) if reuse_torch else None
+    if cached is not None:
+        torch_records = cached
     else:
-        torch_records = run_torch(p, sd, batches)
+        torch_records = run_torch(p, sd, batches[:torch_steps])
         if reuse_torch:
-            _TORCH_RUNS[key] = torch_records
+            _TORCH_RUNS[key if torch_steps == cfg.steps else (key, torch_steps)] = torch_records
     t2 = time.perf_counter()
     if bug is not None:
         p.notes.append(f"INJECTED BUG in jaxdp: {bugs.BUGS[bug].what}")
