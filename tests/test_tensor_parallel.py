@@ -146,3 +146,41 @@ def test_ring_all_reduce_is_refused_beside_a_model_axis():
     model = vit(jnp.float32)
     with pytest.raises(StrategyError, match="allreduce='ring' does not combine with a model axis"):
         create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=2, model=2), allreduce="ring")
+
+
+_BACK_TO_BACK = """
+import sys
+import jax, numpy as np, optax
+from jaxdp.mesh import make_mesh
+from jaxdp.models.vit import EncoderBlock, ViT
+from jaxdp.strategies import create_strategy
+from jaxdp.task import classifier
+
+name, steps = sys.argv[1], int(sys.argv[2])
+model = ViT(num_classes=10, image_size=16, patch=8, dim=16, depth=2, heads=4, mlp_dim=32)
+rng = np.random.default_rng(0)
+batch = {"image": rng.normal(size=(8, 16, 16, 3)).astype(np.float32), "label": rng.integers(0, 10, 8).astype(np.int32)}
+options = {"units": (EncoderBlock,)} if name == "zero3" else {}
+strategy = create_strategy(name, model, classifier(model), optax.sgd(0.01), make_mesh(data=2, model=4), **options)
+state = strategy.init(jax.random.key(0), batch)
+placed = strategy.shard_batch(batch)
+for _ in range(steps):
+    state, metrics = strategy.step(state, placed)  # dispatched back to back: nobody waits here
+print("done", float(metrics["loss"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_200_steps_dispatched_back_to_back_never_hang(name):
+    """XLA:CPU deadlocked 3 of 3 such runs before the strategies waited for each program
+    (``Strategy._one_at_a_time``); a deadlock aborts after 40 s, the timeout catches worse."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, name, "200"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("done "), done.stdout

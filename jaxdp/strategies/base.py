@@ -188,6 +188,7 @@ class Strategy:
         self.param_order = None  # the params' definition order (torch's model.parameters())
         self._jit_step = None
         self._jit_eval = None
+        self._in_flight = None  # the last program's outputs, on meshes that run one at a time
 
     def _in_mesh(self, model):
         """The model as it runs inside ``shard_map``: tensor-parallel over ``model`` if the mesh says so."""
@@ -490,7 +491,32 @@ class Strategy:
 
     def step(self, state: TrainState, batch):
         self.learn_structure(batch)
-        return self._step_fn(state)(state, batch)
+        return self._one_at_a_time(self._step_fn(state), state, batch)
+
+    def _one_at_a_time(self, program, *args):
+        """Run ``program``; on a CPU mesh with two or more device axes, only once the program
+        before it has finished.
+
+        Why: XLA:CPU runs the simulated devices' programs on a shared thread pool, and a
+        device blocked in a collective's rendezvous holds its thread. With the next step
+        already dispatched, the devices of two steps and two kinds of group (model and data
+        rows of the mesh) compete for those threads, and a rendezvous can wait for a device
+        that never gets one. Measured on 2 cores, data=2 x model=4, 300 ViT steps dispatched
+        back to back: 3 of 3 runs aborted ("Termination timeout for all reduce ... only 3 of
+        them arrived"); waiting for each step first: 3 of 3 finished, 2.3x faster (the
+        devices no longer compete). GPUs run each device on its own stream: no wait there.
+        """
+        if self._serialize_programs and self._in_flight is not None:
+            jax.block_until_ready(self._in_flight)
+        out = program(*args)
+        if self._serialize_programs:
+            self._in_flight = out
+        return out
+
+    @property
+    def _serialize_programs(self) -> bool:
+        axes = sum(1 for size in self.mesh.shape.values() if size > 1)
+        return axes >= 2 and self.mesh.devices.flat[0].platform == "cpu"
 
     def lower_step(self, state: TrainState, batch):
         """The lowered training step, for HLO and memory inspection."""
@@ -504,7 +530,7 @@ class Strategy:
             def summed(state, batch):
                 return jax.lax.psum(self.local_eval(state, batch), self.batch_axes)
             self._jit_eval = jax.jit(self._shard_mapped(summed, state, P(self.batch_axes), P()))
-        return self._jit_eval(state, batch)
+        return self._one_at_a_time(self._jit_eval, state, batch)
 
 
 def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
