@@ -1,5 +1,7 @@
-"""The ``jaxdp`` command: train, launch and inspect; parity and bench come with the [torch]
-extra, registered as entry points (``jaxdp.commands``).
+"""The ``jaxdp`` command: train, launch, inspect; parity and bench with the [torch] extra.
+
+parity and bench are registered by entry point (``jaxdp.commands``) and loaded only when
+they, or the full help, are asked for: ``jaxdp train`` never imports the torch side.
 
 Nothing here imports jax at module level: ``--devices N`` must be able to set
 XLA's simulated-device flag before jax starts.
@@ -167,7 +169,11 @@ def _subcommand(sub, name: str, summary: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=summary, description=summary, **PARSER_OPTIONS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+BUILT_IN = ("train", "launch", "inspect")
+
+
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` one of ``BUILT_IN``, without the registered commands."""
     from jaxdp import __version__
 
     parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__.splitlines()[0], **PARSER_OPTIONS)
@@ -185,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
-    _add_registered_commands(sub)
+    if command not in BUILT_IN:
+        _add_registered_commands(sub)
     return parser
 
 
@@ -229,7 +236,8 @@ def with_file_options(parser: argparse.ArgumentParser, argv: Optional[List[str]]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    parser = build_parser(words[0] if words else None)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":

@@ -36,7 +36,7 @@ class Command:
         return tuple(name for name in self.requires if not _importable(name))
 
     def install_hint(self, name: str) -> str:
-        return (f"jaxdp {name} needs {', '.join(self.missing())}, which is not installed: "
+        return (f"jaxdp {name} needs the [{self.extra}] extra (not installed: {', '.join(self.missing())}): "
                 f"pip install 'jaxdp[{self.extra}]'")
 
 

@@ -12,6 +12,7 @@ import sys
 
 from jaxdp.commands import Command
 from jaxdp.flags import comma_floats, comma_ints
+from parity_tests import report, runner
 from parity_tests.config import ParityConfig, ParityError
 from parity_tests.pairs import PAIRS
 
@@ -86,12 +87,9 @@ def config_from_args(args: argparse.Namespace) -> ParityConfig:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from parity_tests import report
-    from parity_tests.runner import run_parity
-
     cfg = config_from_args(args)
     try:
-        result = run_parity(cfg, bug=args.inject_bug)
+        result = runner.run_parity(cfg, bug=args.inject_bug)
     except ParityError as e:
         print(f"jaxdp parity: error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from jaxdp.analysis.state import (extra_formula, formula_bytes, kept_grad_bytes,
 class InspectError(ValueError):
     """Options that cannot be inspected (one line on the command line)."""
 
+
 def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int = 64,
                      blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
                      dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
