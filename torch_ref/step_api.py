@@ -61,6 +61,7 @@ from torch_ref import strategies
 from torch_ref.models import create_model
 from torch_ref.strategies import StrategyError
 
+# torch_ref's own keys: PowerSGD's shared initial Q and seed, nn.DataParallel's GPU count.
 _TORCH_OWN = {"powersgd_q": None, "powersgd_seed": 0, "devices": None}
 DEFAULTS: Dict[str, Any] = {**dataclasses.asdict(StepConfig()), **_TORCH_OWN}
 ALIASES = {"comm_hook": "compress"}
@@ -68,7 +69,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 _MODEL_KEYS = ModelOptions.RESNET_OPTIONS + ModelOptions.VIT_OPTIONS + ("image_size",)
 
-# config key -> the wrap() option it feeds, for the strategies that take it.
+# config key -> the wrap() option it feeds, for the strategies that take it (no torch strategy
+# takes jaxdp's allreduce or staleness: only their defaults pass).
 _STRATEGY_KEYS = StepConfig.STRATEGY_OPTIONS + tuple(_TORCH_OWN)
 
 
