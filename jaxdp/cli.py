@@ -1,21 +1,19 @@
-"""The ``jaxdp`` command: train, launch, inspect, parity and bench.
+"""The ``jaxdp`` command: train, launch, inspect; parity and bench with the [torch] extra.
+
+parity and bench are registered by entry point (``jaxdp.commands``) and loaded only when
+they, or the full help, are asked for: ``jaxdp train`` never imports the torch side.
 
 Nothing here imports jax at module level: ``--devices N`` must be able to set
 XLA's simulated-device flag before jax starts.
 """
 
 import argparse
+import functools
 import sys
 from typing import List, Optional
 
 from jaxdp.flags import PARSER_OPTIONS
-
-
-def _ints(text: str):
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+from jaxdp.flags import comma_ints as _ints
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -146,13 +144,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jaxdp.inspect import run
-
-    return run(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from jaxdp.bench import run
+    from jaxdp.analysis.command import run
 
     return run(args)
 
@@ -160,6 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _user_errors():
     """Exceptions that mean 'the user asked for something impossible': one line, no traceback."""
     from jaxdp.checkpoint import CheckpointError
+    from jaxdp.commands import CommandError
     from jaxdp.data import DatasetError
     from jaxdp.mesh import MeshError
     from jaxdp.models import ModelError
@@ -167,16 +160,20 @@ def _user_errors():
     from jaxdp.strategies import StrategyError
     from jaxdp.launch import LaunchError
     from jaxdp.config import TrainError
-    from jaxdp.bench import BenchError
 
-    return (BenchError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError, TrainError)
+    return (CommandError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError,
+            TrainError)
 
 
 def _subcommand(sub, name: str, summary: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=summary, description=summary, **PARSER_OPTIONS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+BUILT_IN = ("train", "launch", "inspect")
+
+
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` one of ``BUILT_IN``, without the registered commands."""
     from jaxdp import __version__
 
     parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__.splitlines()[0], **PARSER_OPTIONS)
@@ -190,20 +187,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_args(p)
     p.set_defaults(func=cmd_launch)
     p = _subcommand(sub, "inspect", "per-device memory and collective traffic of a strategy vs the ZeRO formulas")
-    from jaxdp.inspect import add_inspect_args  # jax-free at import
+    from jaxdp.analysis.command import add_inspect_args  # jax-free at import
 
     add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
-    p = _subcommand(sub, "parity", "step-by-step parity of a jaxdp strategy with its PyTorch twin")
-    from parity_tests.runner import add_parity_args  # jax- and torch-free at import
-
-    add_parity_args(p)
-    p = _subcommand(sub, "bench", "jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N")
-    from jaxdp.bench import add_bench_args  # jax- and torch-free at import; sets its own device count
-
-    add_bench_args(p)
-    p.set_defaults(func=cmd_bench)
+    if command not in BUILT_IN:
+        _add_registered_commands(sub)
     return parser
+
+
+def _add_registered_commands(sub) -> None:
+    """The subcommands other packages register (``jaxdp.commands``): parity and bench."""
+    from jaxdp.commands import registered
+
+    for name, command in registered().items():
+        p = _subcommand(sub, name, command.summary)
+        command.add_args(p)  # jax- and torch-free: the parser works without the extra
+        p.set_defaults(func=functools.partial(_run_registered, name, command))
+
+
+def _run_registered(name: str, command, args: argparse.Namespace) -> int:
+    from jaxdp.commands import CommandError
+
+    if command.missing():
+        raise CommandError(command.install_hint(name))
+    return command.run(args)
 
 
 def with_file_options(parser: argparse.ArgumentParser, argv: Optional[List[str]], args: argparse.Namespace):
@@ -228,7 +236,8 @@ def with_file_options(parser: argparse.ArgumentParser, argv: Optional[List[str]]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    parser = build_parser(words[0] if words else None)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":

@@ -5,13 +5,19 @@ import json
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from jaxdp.step_config import StrategyOptions
+
 
 class TrainError(ValueError):
     """A configuration that cannot be trained, caught before any work is done (both trainers)."""
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(StrategyOptions):
+    """Every option of a training run. The strategy and its options (``strategy``,
+    ``accum_steps``, ``sync_bn``, ``bucket_cap_mb``, ...) are ``StrategyOptions``, the names
+    and defaults jaxdp parity and torch_ref's step config share."""
+
     # what to train
     model: str = "resnet18"
     width: int = 64
@@ -23,20 +29,9 @@ class TrainConfig:
     data_dir: Optional[str] = None
     download: bool = False
     synthetic_size: Tuple[int, int] = (10000, 2000)
-    # how to train it
-    strategy: str = "ddp"
+    # how to train it (and the strategy with its options: StrategyOptions)
     devices: Optional[int] = None  # default: every device; on CPU, N simulated devices
     global_batch_size: int = 128
-    accum_steps: int = 1
-    sync_bn: bool = False
-    # strategy-specific options: each strategy receives those its constructor takes
-    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size
-    allreduce: str = "psum"  # ddp: "psum" | "ring" (reduce-scatter + all-gather by ppermute)
-    compress: Optional[str] = None  # ddp: None | "bf16" | "fp16" | "powersgd"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 1000  # plain all-reduce for the first steps (torch's start_powerSGD_iter)
-    staleness: int = 0  # async parameter server: max updates a worker's weights may lag
-    mesh_shape: Optional[Tuple[int, int]] = None  # hsdp: (replicas, shards)
     # optimisation
     epochs: int = 1
     optimizer: str = "sgd"
@@ -59,9 +54,6 @@ class TrainConfig:
     # multi-process jobs (jaxdp launch, srun): see jaxdp.mesh.initialize_distributed
     init_timeout: int = 300  # seconds for every process to join
     heartbeat_timeout: int = 100  # seconds before the survivors give up on a silent peer
-
-    STRATEGY_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "powersgd_start_iter",
-                        "staleness", "mesh_shape")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

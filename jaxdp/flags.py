@@ -13,6 +13,22 @@ import sys
 PARSER_OPTIONS = dict(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
+def comma_ints(text: str):
+    """``--blocks 1,1,1,1``: a tuple of integers, or argparse's one-line error."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def comma_floats(text: str):
+    """``--betas 0.9,0.999``: a tuple of numbers, or argparse's one-line error."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def deprecated_alias(parser, old: str, new: str, **kwargs) -> None:
     """Accept ``old`` as ``new`` (same ``dest`` and ``type``, given in ``kwargs``), hidden
     from --help, with a one-line notice on stderr when used."""

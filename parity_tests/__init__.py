@@ -1,11 +1,20 @@
 """Cross-framework parity: each jaxdp strategy against its PyTorch twin, step by step.
 
-- ``runner``: the pair table (jaxdp strategy -> torch_ref twin), inputs shared byte for
-  byte, both sides run, ``run_parity`` and the ``jaxdp parity`` command;
+The torch side of jaxdp, installed with the [torch] extra; jaxdp itself never imports it
+(``jaxdp parity`` and ``jaxdp bench`` reach it as entry points, ``jaxdp.commands``).
+
+- ``config``: ``ParityConfig`` (a step's options, ``jaxdp.step_config``, plus the run's size);
+- ``pairs``: the pair table (jaxdp strategy -> torch_ref twin), from each strategy's facts;
+- ``plan``: what one run will do, refused in one line where there is no twin;
+- ``inputs``, ``jax_side``, ``torch_side``: the shared weights and batches, K steps on each side;
+- ``runner``: ``run_parity``; ``command``: the ``jaxdp parity`` command;
 - ``compare``: per-tensor relative errors, bounds (float64 tight, float32 measured), the
   first divergence;
 - ``report``: terminal table, JSON, PNG;
-- ``bugs``: deliberately broken jaxdp variants that the harness must catch and name.
+- ``bugs``: deliberately broken jaxdp variants that the harness must catch and name;
+- ``optim_state``: jaxdp's optimizer state in torch.optim's vocabulary;
+- ``bench``: ``jaxdp bench``, jaxdp vs torch_ref timed side by side;
+- ``gpu_check``: ``make gpu-check``, every pair on every GPU.
 
 Nothing here imports jax or torch at import time (``--devices`` must come first).
 """

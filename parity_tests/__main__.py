@@ -1,4 +1,4 @@
-"""``python -m parity_tests ...`` is ``jaxdp parity ...`` (see ``parity_tests.runner``)."""
+"""``python -m parity_tests ...`` is ``jaxdp parity ...`` (see ``parity_tests.command``)."""
 
 import sys
 

@@ -94,7 +94,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from parity_tests.runner import ParityError
+from parity_tests.config import ParityError
 
 STRATEGIES = ("ddp", "async", "zero1", "zero2", "zero3", "hsdp", "dp")
 

@@ -90,7 +90,7 @@ FLOAT64 = Bounds(
 )
 
 # float32 bounds, from measurements (CPU, XLA:CPU vs ATen + gloo; width-4 one-block
-# ResNet-18, 16x16 crops, 8 images per device, 20 steps; every pair of runner.PAIRS):
+# ResNet-18, 16x16 crops, 8 images per device, 20 steps; every pair of pairs.PAIRS):
 #
 #   worst over all pairs        loss     loss/rank  grads    params   buffers  opt state
 #   step 0                      1.0e-07  1.1e-07    2.5e-06  2.8e-05  3.7e-07  2.9e-06

@@ -116,7 +116,7 @@ def parity_argv(strategy: str, dtype: str, n: int, backend: str, settings: dict,
 
 def parity_config(argv: Sequence[str]):
     """The ``ParityConfig`` that ``jaxdp parity ARGV`` runs (the parity CLI's own parser)."""
-    from parity_tests.runner import add_parity_args, config_from_args
+    from parity_tests.command import add_parity_args, config_from_args
 
     parser = argparse.ArgumentParser(prog="jaxdp parity")
     add_parity_args(parser)
@@ -126,7 +126,8 @@ def parity_config(argv: Sequence[str]):
 def make_plan(mode: str, n: int, backend: str, dtypes: Sequence[str], strategies: Sequence[str], out: str, *,
               steps: Optional[int] = None, bench: bool = True, dry_run: bool = False,
               notes: Sequence[str] = ()) -> CheckPlan:
-    from parity_tests.runner import _torch_side, pair_for
+    from parity_tests.pairs import pair_for
+    from parity_tests.plan import torch_layout
 
     settings = dict(SETTINGS[mode], **({"steps": steps} if steps else {}))
     gpus = n if backend == "nccl" else 0
@@ -137,7 +138,7 @@ def make_plan(mode: str, n: int, backend: str, dtypes: Sequence[str], strategies
             pair_out = os.path.join(out, "pairs", pid)
             argv = parity_argv(strategy, dtype, n, backend, settings, pair_out)
             cfg = parity_config(argv)
-            twin, world, _, _ = _torch_side(cfg, pair_for(strategy), gpus)
+            twin, world, _, _ = torch_layout(cfg, pair_for(strategy), gpus)
             pairs.append(PairPlan(pid, strategy, dtype, n, backend, twin, world, argv, pair_out))
     bench_plan = None
     if bench:
@@ -195,7 +196,8 @@ def jax_float64_ok() -> Tuple[bool, str]:
 def run_pair(pair: PairPlan, png: bool = True) -> None:
     """One parity run (``run_parity``), its report written to ``pair.out``; fills the pair."""
     from parity_tests import report
-    from parity_tests.runner import ParityError, run_parity
+    from parity_tests.config import ParityError
+    from parity_tests.runner import run_parity
 
     t0 = time.perf_counter()
     try:
@@ -223,9 +225,10 @@ def run_pair(pair: PairPlan, png: bool = True) -> None:
 
 
 def run_bench_row(plan: CheckPlan) -> None:
-    from jaxdp import bench
-
     import jax
+
+    from parity_tests.bench.report import markdown
+    from parity_tests.bench.runner import run_bench
 
     b = plan.bench
     out = os.path.join(plan.out, "bench")
@@ -235,13 +238,13 @@ def run_bench_row(plan: CheckPlan) -> None:
     precision = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", None)
     try:
-        result = bench.run_bench(dict(b["config"], n=tuple(b["config"]["n"])), [b["strategy"]],
+        result = run_bench(dict(b["config"], n=tuple(b["config"]["n"])), [b["strategy"]],
                                  with_torch=True, timeout_s=600.0, pipeline_images=256)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "bench.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         with open(os.path.join(out, "bench.md"), "w") as f:
-            f.write(bench.markdown(result) + "\n")
+            f.write(markdown(result) + "\n")
         rows = result["rows"]
         row = rows[0] if rows else {}
         j, t = row.get("jaxdp") or {}, row.get("torch_ref") or {}

@@ -43,7 +43,7 @@ def devices(plan) -> dict:
     """What each side ran on: jaxdp's platform, device kind and matmul precision; torch's
     backend and every rank's device and TF32 flags (``torch_ref.launcher.rank_info``,
     recorded by the ranks themselves); and one verdict per side on TF32."""
-    from parity_tests.runner import torch_ranks
+    from parity_tests.torch_side import torch_ranks
 
     out: dict = {"torch_backend": plan.backend}
     try:
@@ -99,7 +99,7 @@ def header(result) -> List[str]:
         f"  <->  torch_ref {p.torch_strategy} on {p.world} rank(s) ({j['torch']['backend']})",
         f"  twin: {p.pair.twin}",
         f"  {cfg.model_summary()} {cfg.dtype}, {cfg.image_size}x{cfg.image_size}, "
-        f"{cfg.batch_per_device}/device, accum {cfg.accum}, sync_bn {cfg.sync_bn}, "
+        f"{cfg.batch_per_device}/device, accum {cfg.accum_steps}, sync_bn {cfg.sync_bn}, "
         f"{cfg.optimizer} lr {cfg.lr} ({cfg.schedule}), {cfg.steps} steps, jax x64 "
         f"{({True: 'on', False: 'off'}).get(p.jax_x64, '?')}",
         f"  bounds: {result.comparison.bounds.name} (rel err = max|jax - torch| / max|torch| per tensor)",

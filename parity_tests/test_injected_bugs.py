@@ -22,9 +22,11 @@ import re
 
 import pytest
 
-from parity_tests import bugs, runner
+from parity_tests import bugs, runner, torch_side
 from parity_tests.bugs import BUGS
-from parity_tests.runner import PAIRS, ParityConfig, ParityError, run_parity
+from parity_tests.config import ParityConfig, ParityError
+from parity_tests.pairs import PAIRS
+from parity_tests.runner import run_parity
 from parity_tests.test_parity import ADAM, F64, SGD, TINY
 
 EVERY_BUG_ON = ("ddp-n2-sgd-nesterov-20steps", "zero3-n2-adam")
@@ -166,7 +168,7 @@ def test_a_bug_that_cannot_apply_is_refused_before_anything_runs(monkeypatch):
     def no_torch(*args, **kwargs):
         raise AssertionError("torch ran for a refused injection")
 
-    monkeypatch.setattr(runner, "run_torch", no_torch)
+    monkeypatch.setattr(torch_side, "run_torch", no_torch)
     sync_bn = clean("ddp-n2-sync_bn-accum2")
     with pytest.raises(ParityError, match=r"^bug wrong_shard_bn cannot show in this run: with --sync-bn"):
         run_parity(sync_bn, bug="wrong_shard_bn")

@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 
 from parity_tests import report
-from parity_tests.runner import ParityConfig, full_batch_order, plan, run_parity, ParityError
+from parity_tests.config import ParityConfig, ParityError
+from parity_tests.inputs import full_batch_order
+from parity_tests.plan import plan
+from parity_tests.runner import run_parity
 
 TINY = dict(model="resnet18", width=4, blocks=(1, 1, 1, 1), image_size=16, batch_per_device=8)
 SGD = dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
@@ -34,15 +37,15 @@ SHORT = 4   # steps of the others
 F64 = {
     "ddp-n2-sgd-nesterov-20steps": dict(strategy="ddp", devices=2, steps=LONG, **SGD),
     "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
-    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum=2, steps=SHORT, **ADAMW),
-    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum=2, steps=SHORT, **SGD),
+    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum_steps=2, steps=SHORT, **ADAMW),
+    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum_steps=2, steps=SHORT, **SGD),
     "dp-n2": dict(strategy="dp", devices=2, steps=LONG, **SGD),
     "async-k0-n2": dict(strategy="async", devices=2, steps=LONG, **SGD),
     "ddp-ring-n4": dict(strategy="ddp", devices=4, allreduce="ring", steps=SHORT, **ADAM),
     # Every ZeRO pair over LONG steps; N = 3 pads every sharded tensor (jaxdp pads a tensor's
     # largest dimension, FSDP2 dim 0: the harness compares the unpadded values).
     "zero1-n2-adamw": dict(strategy="zero1", devices=2, steps=LONG, **ADAMW),
-    "zero2-n2-accum2-sgd": dict(strategy="zero2", devices=2, accum=2, steps=LONG, **SGD),
+    "zero2-n2-accum2-sgd": dict(strategy="zero2", devices=2, accum_steps=2, steps=LONG, **SGD),
     "zero3-n2-adam": dict(strategy="zero3", devices=2, steps=LONG, **ADAM),
     "hsdp-2x2-sgd": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), steps=LONG, **SGD),
     "ddp-n3-adam": dict(strategy="ddp", devices=3, steps=SHORT, **ADAM),
@@ -52,8 +55,8 @@ F64 = {
     "zero2-n3-adamw": dict(strategy="zero2", devices=3, steps=LONG, **ADAMW),
     # K = 4 micro-batches of 2 images: zero3/hsdp reduce-scatter each, FSDP2 accumulates
     # unsharded grads under set_requires_gradient_sync(False); the sums must agree.
-    "zero3-n3-accum4-adam": dict(strategy="zero3", devices=3, accum=4, steps=LONG, **ADAM),
-    "hsdp-2x2-accum4-adamw": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), accum=4, steps=LONG, **ADAMW),
+    "zero3-n3-accum4-adam": dict(strategy="zero3", devices=3, accum_steps=4, steps=LONG, **ADAM),
+    "hsdp-2x2-accum4-adamw": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), accum_steps=4, steps=LONG, **ADAMW),
     "hsdp-1x3-sgd": dict(strategy="hsdp", devices=3, mesh_shape=(1, 3), steps=SHORT, **SGD),
     "ddp-fp16-hook": dict(strategy="ddp", devices=2, compress="fp16", steps=SHORT, **SGD),
     "ddp-bf16-hook": dict(strategy="ddp", devices=2, compress="bf16", steps=SHORT, **SGD),
@@ -73,8 +76,8 @@ F32_STEPS = 8  # float32 bounds every tensor at step 0 only, then the loss: fewe
 F32 = {
     "ddp-n2-sgd-nesterov": dict(strategy="ddp", devices=2, steps=F32_STEPS, **SGD),
     "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
-    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum=2, steps=SHORT, **ADAMW),
-    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum=2, steps=SHORT, **SGD),
+    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum_steps=2, steps=SHORT, **ADAMW),
+    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum_steps=2, steps=SHORT, **SGD),
     "zero1-n2-adamw": dict(F64["zero1-n2-adamw"], steps=F32_STEPS),
     "zero2-n3-adamw": dict(F64["zero2-n3-adamw"], steps=F32_STEPS),  # padded shards
     "zero3-n3-accum4-adam": dict(F64["zero3-n3-accum4-adam"], steps=F32_STEPS),  # reduce-scatter per micro-batch
@@ -191,7 +194,7 @@ def test_pairs_without_a_twin_are_refused():
 
 def test_every_strategy_is_paired_from_its_facts():
     from jaxdp.strategies import STRATEGIES, facts
-    from parity_tests.runner import PAIRS, pair_for
+    from parity_tests.pairs import PAIRS, pair_for
 
     assert set(PAIRS) == set(STRATEGIES)  # runner names them itself: it must not import jax
     assert pair_for("hsdp").twin == facts("hsdp").twin and pair_for("hsdp").options == ("mesh_shape",)
@@ -324,7 +327,9 @@ def _record(scale=1.0, bn_var=1.0, loss=2.3):
 
 def _fake_result(jax_steps, torch_steps, dtype="float64"):
     from parity_tests import compare
-    from parity_tests.runner import Pair, ParityResult, Plan
+    from parity_tests.pairs import Pair
+    from parity_tests.plan import Plan
+    from parity_tests.runner import ParityResult
 
     cfg = ParityConfig(dtype=dtype, steps=len(torch_steps))
     p = Plan(cfg, Pair("DDP", "ddp"), "ddp", 2, False, {}, {}, False)

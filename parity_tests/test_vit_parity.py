@@ -20,7 +20,8 @@ float32 has 2.4e-6 at step 0 (ResNet: 5e-4, see compare.FLOAT32).
 
 import pytest
 
-from parity_tests.runner import ParityConfig, run_parity
+from parity_tests.config import ParityConfig
+from parity_tests.runner import run_parity
 from parity_tests.test_parity import assert_parity
 
 TINY_VIT = dict(model="vit-tiny", depth=2, dim=20, heads=2, mlp_dim=40, patch=8, image_size=16,

@@ -189,10 +189,12 @@ def check_jaxdp(args):
 def check_parity(namespace):
     """What ``jaxdp parity`` refuses before it runs: a pair with no twin, an option the pair
     does not take, a bug that cannot show."""
-    from parity_tests import bugs, runner
+    from parity_tests import bugs
+    from parity_tests.command import config_from_args
+    from parity_tests.plan import plan
 
-    cfg = runner.config_from_args(namespace)
-    runner.plan(cfg)
+    cfg = config_from_args(namespace)
+    plan(cfg)
     if namespace.inject_bug:
         bugs.injection(namespace.inject_bug, cfg)
 
@@ -231,7 +233,7 @@ def check_make(args):
 def problems(doc, text):
     """One line per refused command: where it is, what it is, why."""
     from jaxdp.config import TrainError
-    from parity_tests.runner import ParityError
+    from parity_tests.config import ParityError
 
     found = []
     for number, argv in shell_commands(text):

@@ -172,20 +172,22 @@ def test_torch_ref_train_backend_flag(gpus, capsys):
 def test_parity_backend_flag_reaches_the_torch_launch(gpus, monkeypatch, capsys):
     from jaxdp.cli import main
     from parity_tests import runner
+    from parity_tests.config import ParityConfig, ParityError
+    from parity_tests.plan import plan
 
     gpus(2)
-    p = runner.plan(runner.ParityConfig(strategy="ddp", devices=2))
+    p = plan(ParityConfig(strategy="ddp", devices=2))
     assert (p.backend, p.cuda, p.world) == ("nccl", True, 2)
-    p = runner.plan(runner.ParityConfig(strategy="dp", devices=2))
+    p = plan(ParityConfig(strategy="dp", devices=2))
     assert (p.backend, p.torch_strategy, p.world, p.torch_config["devices"]) == ("nccl", "dp", 1, 2)
-    p = runner.plan(runner.ParityConfig(strategy="ddp", devices=4))  # auto, 4 ranks on 2 GPUs: the CPU
+    p = plan(ParityConfig(strategy="ddp", devices=4))  # auto, 4 ranks on 2 GPUs: the CPU
     assert (p.backend, p.cuda, p.world) == ("gloo", False, 4)
     monkeypatch.setenv(ENV, "gloo")
-    p = runner.plan(runner.ParityConfig(strategy="dp", devices=2))
+    p = plan(ParityConfig(strategy="dp", devices=2))
     assert (p.backend, p.torch_strategy, p.world) == ("gloo", "ddp", 2)
     assert p.to_json()["torch"]["backend"] == "gloo"
-    with pytest.raises(runner.ParityError, match="needs one CUDA GPU per rank on this host: 4 rank"):
-        runner.plan(runner.ParityConfig(strategy="ddp", devices=4, backend="nccl"))
+    with pytest.raises(ParityError, match="needs one CUDA GPU per rank on this host: 4 rank"):
+        plan(ParityConfig(strategy="ddp", devices=4, backend="nccl"))
 
     # the CLI: --backend parsed into ParityConfig and handed to run_steps
     seen = {}

@@ -1,4 +1,4 @@
-"""jaxdp.inspect: model-state bytes against the ZeRO formulas, compiled memory, HLO collectives."""
+"""jaxdp.analysis (jaxdp inspect): model-state bytes against the ZeRO formulas, compiled memory, HLO collectives."""
 
 import os
 
@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxdp.cli import main  # noqa: E402
-from jaxdp.inspect import (formula_bytes, fsdp_options, inspect_strategy, measure, padded_count,  # noqa: E402
+from jaxdp.analysis import (formula_bytes, fsdp_options, inspect_strategy, measure, padded_count,  # noqa: E402
                            param_count, parse_collectives, replica_groups)
 from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
@@ -163,7 +163,7 @@ def wide_mlp():
     ("zero1", {"compress": "powersgd", "powersgd_rank": 2}),
 ], ids=["zero1", "zero2", "dp", "async", "ring", "powersgd", "zero1-powersgd"])
 def test_measured_traffic_meets_the_formula(wide_mlp, name, options):
-    """Ring bytes per device from the compiled HLO within 2% of each strategy's formula (see jaxdp.inspect)."""
+    """Ring bytes per device from the compiled HLO within 2% of each strategy's formula (see jaxdp.analysis.state)."""
     model, batch = wide_mlp
     r = measure(create_strategy(name, model, classifier(model), make_optimizer("adam", 1e-3), make_mesh(8),
                                 **options), batch)

@@ -289,7 +289,8 @@ def test_optimizer_state_converts_to_torch_layout(x64, opt):
     a few steps; jaxdp's state, via torch_optimizer_state and tree_to_torch_names,
     is torch's per-parameter state. Then torch's state goes the other way
     (tree_from_torch_names -> optimizer_state_from_torch) and both step once more."""
-    from jaxdp.optim import make_optimizer, optimizer_state_from_torch, torch_optimizer_state
+    from jaxdp.optim import make_optimizer
+    from parity_tests.optim_state import optimizer_state_from_torch, torch_optimizer_state
 
     tmodel = torch_model("resnet18", "imagenet")
     params = variables_from_state_dict(sd_numpy(tmodel))["params"]

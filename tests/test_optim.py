@@ -18,10 +18,9 @@ from jaxdp.optim import (  # noqa: E402
     ConfigError,
     make_optimizer,
     make_schedule,
-    optimizer_state_from_torch,
     torch_lr_lambda,
-    torch_optimizer_state,
 )
+from parity_tests.optim_state import optimizer_state_from_torch, torch_optimizer_state  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 

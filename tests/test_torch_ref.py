@@ -305,6 +305,8 @@ def test_options_a_strategy_does_not_take_are_refused():
         resolve_config({"lrr": 0.1})
     with pytest.raises(StrategyError, match="mesh_shape.*does not apply to strategy 'ddp'"):
         strategy_options(resolve_config({"strategy": "ddp", "mesh_shape": (1, 2)}))
+    with pytest.raises(StrategyError, match="allreduce.*does not apply to strategy 'ddp'"):  # jaxdp's ring
+        strategy_options(resolve_config({"strategy": "ddp", "allreduce": "ring"}))
     assert resolve_config({"comm_hook": "bf16"})["compress"] == "bf16"
 
 

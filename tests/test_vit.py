@@ -27,7 +27,8 @@ from jaxdp.interop import (
 from jaxdp.models import EncoderBlock, ModelError, create_model, family, fsdp_units
 from jaxdp.models.resnet import BasicBlock, Bottleneck
 from jaxdp.models.vit import torch_names
-from jaxdp.optim import make_optimizer, make_schedule, torch_lr_lambda, torch_optimizer_state
+from jaxdp.optim import make_optimizer, make_schedule, torch_lr_lambda
+from parity_tests.optim_state import torch_optimizer_state
 from torch_ref import models as torch_models
 from torch_ref import vit as torch_vit
 

@@ -134,7 +134,7 @@ def test_equals_ddp_with_padding(name, n, options):
 def test_evaluation_gathers_one_tensor_at_a_time_and_equals_ddp(name, options):
     """ZeRO-3's evaluation runs the model unit by unit like its training step: one all-gather
     per parameter tensor, never the whole model in one, and DDP's numbers."""
-    from jaxdp.inspect import parse_collectives
+    from jaxdp.analysis import parse_collectives
 
     model, tx = small_resnet(), OPTIMIZERS["sgd"]()
     variables = init(model)
@@ -621,7 +621,7 @@ def test_checkpoints_are_written_sharded_and_nothing_is_gathered_to_save(tmp_pat
     """The checkpoint layout is canonical shapes, each tensor cut along a dimension N divides.
     ZeRO-3 keeps every such tensor that way already, so saving moves nothing; only a tensor
     padded at rest (no dimension N divides) is stored whole, and only it is gathered."""
-    from jaxdp.inspect import parse_collectives
+    from jaxdp.analysis import parse_collectives
 
     def collectives(strategy, state):
         ops = parse_collectives(jax.jit(strategy.stored).lower(state).compile().as_text(), N)["ops"]

@@ -8,7 +8,9 @@ Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)
     # rank 0: {"loss", "loss_per_rank", "accuracy", "lr", "grads", "params",
     #          "buffers", "optimizer_state"}; other ranks: None
 
-``config`` keys (``DEFAULTS`` lists them with their defaults; unknown keys are refused):
+``config`` keys (``DEFAULTS`` lists them with their defaults; unknown keys are refused): a
+``jaxdp.step_config.StepConfig`` as a dict (the names ``jaxdp train`` and ``jaxdp parity``
+use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:
 
 - ``strategy``: dp | ddp | zero1 | zero2 | zero3 | hsdp
 - model: ``model``, ``num_classes`` and its family's options (``torch_ref.models.create_model``):
@@ -27,6 +29,7 @@ Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)
   >= 2), ``powersgd_q`` ({param name:
   initial Q}, shapes from ``strategies.powersgd_shapes``), ``powersgd_seed``
 - hsdp: ``mesh_shape`` (replicas, shards); dp: ``devices`` (GPUs for nn.DataParallel)
+- ``allreduce``, ``staleness``: jaxdp's own; no torch strategy takes them (defaults only)
 
 What is returned, all numpy, by torch name:
 
@@ -45,38 +48,30 @@ What is returned, all numpy, by torch name:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from jaxdp.step_config import ModelOptions, StepConfig
 from torch_ref import dist as tdist
 from torch_ref import strategies
 from torch_ref.models import create_model
 from torch_ref.strategies import StrategyError
 
-DEFAULTS: Dict[str, Any] = {
-    "strategy": "ddp",
-    "model": "resnet18", "width": 64, "blocks": None, "stem": "cifar", "num_classes": 10,
-    "depth": None, "dim": None, "heads": None, "mlp_dim": None, "patch": None, "image_size": None,
-    "dtype": "float32",
-    "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0,
-    "betas": (0.9, 0.999), "eps": 1e-8,
-    "schedule": "constant", "total_steps": 1, "warmup_steps": 0, "milestones": (), "gamma": 0.1,
-    "accum_steps": 1, "sync_bn": False, "seed": 0,
-    "bucket_cap_mb": 25.0, "compress": None, "powersgd_rank": 1, "powersgd_start_iter": 1000,
-    "powersgd_q": None, "powersgd_seed": 0,
-    "mesh_shape": None, "devices": None,
-}
+# torch_ref's own keys: PowerSGD's shared initial Q and seed, nn.DataParallel's GPU count.
+_TORCH_OWN = {"powersgd_q": None, "powersgd_seed": 0, "devices": None}
+DEFAULTS: Dict[str, Any] = {**dataclasses.asdict(StepConfig()), **_TORCH_OWN}
 ALIASES = {"comm_hook": "compress"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
-_MODEL_KEYS = ("width", "blocks", "stem", "depth", "dim", "heads", "mlp_dim", "patch", "image_size")
+_MODEL_KEYS = ModelOptions.RESNET_OPTIONS + ModelOptions.VIT_OPTIONS + ("image_size",)
 
-# config key -> the wrap() option it feeds, for the strategies that take it.
-_STRATEGY_KEYS = ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter",
-                  "powersgd_q", "powersgd_seed", "mesh_shape", "devices")
+# config key -> the wrap() option it feeds, for the strategies that take it (no torch strategy
+# takes jaxdp's allreduce or staleness: only their defaults pass).
+_STRATEGY_KEYS = StepConfig.STRATEGY_OPTIONS + tuple(_TORCH_OWN)
 
 
 def resolve_config(config: Mapping[str, Any]) -> Dict[str, Any]:

@@ -5,10 +5,11 @@ byte-identical batches: datasets -> DistributedSampler partition ->
 augment -> normalize -> per-rank Batch.
 """
 
+from .arrays import ArrayDataset, DatasetError
 from .augment import CIFAR10_MEAN, CIFAR10_STD, augment, augment_params, normalize
 from .cifar10 import (CIFAR10_MD5, CIFAR10_URL, download_cifar10, find_cifar10,
                       load_cifar10, read_cifar10)
-from .datasets import DATASETS, ArrayDataset, DatasetError, load_dataset
+from .datasets import DATASETS, load_dataset
 from .loader import Batch, Prefetcher, epoch_batches, eval_batches, steps_per_epoch
 from .sampler import (DistributedSampler, epoch_permutation, num_samples_per_replica,
                       partition)

@@ -17,7 +17,7 @@ import urllib.request
 
 import numpy as np
 
-from .datasets import ArrayDataset, DatasetError
+from .arrays import ArrayDataset, DatasetError
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"

@@ -1,53 +1,21 @@
-"""In-memory datasets and the single entry point `load_dataset`.
+"""The dataset registry: the single entry point `load_dataset`.
 
 Everything here is plain numpy so that jaxdp and torch_ref consume
-byte-identical arrays.
+byte-identical arrays. The sources (synthetic, cifar10) build an ``ArrayDataset``
+(``arrays.py``) and never import this module: the imports go one way.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-import numpy as np
+from .arrays import ArrayDataset, DatasetError
 
 DATASETS = ("synthetic", "cifar10")
 
 # Where `load_dataset("cifar10")` looks when no data_dir is given.
 DATA_DIR_ENV = "JAXDP_DATA_DIR"
 DEFAULT_DATA_DIR = "data"
-
-
-class DatasetError(RuntimeError):
-    """A dataset is missing or damaged; the message says how to fix it."""
-
-
-@dataclass(frozen=True)
-class ArrayDataset:
-    """Images as uint8 NHWC (N, 32, 32, 3) and int64 labels (N,).
-
-    uint8 NHWC is the on-disk layout of both sources after conversion; it is
-    4x smaller than float32 and augmentation works on it directly.
-    """
-
-    images: np.ndarray
-    labels: np.ndarray
-    name: str
-
-    def __post_init__(self):
-        if self.images.dtype != np.uint8 or self.images.ndim != 4:
-            raise ValueError(
-                f"{self.name}: images must be uint8 NHWC, got "
-                f"{self.images.dtype} {self.images.shape}"
-            )
-        if self.labels.shape != (self.images.shape[0],):
-            raise ValueError(
-                f"{self.name}: labels shape {self.labels.shape} does not match "
-                f"{self.images.shape[0]} images"
-            )
-
-    def __len__(self) -> int:
-        return int(self.images.shape[0])
 
 
 def default_data_dir() -> str:

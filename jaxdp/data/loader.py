@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .augment import augment, normalize
-from .datasets import ArrayDataset
+from .arrays import ArrayDataset
 from .sampler import epoch_permutation, num_samples_per_replica, partition
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .datasets import ArrayDataset
+from .arrays import ArrayDataset
 
 SIZE = 32
 NUM_WAVES = 4      # sinusoids per class and channel

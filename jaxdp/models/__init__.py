@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jaxdp.models import vit
 from jaxdp.models.batchnorm import BatchNorm
+from jaxdp.models.errors import ModelError
 from jaxdp.models.resnet import BasicBlock, Bottleneck, ResNet
 from jaxdp.models.vit import EncoderBlock, ViT
 
@@ -27,10 +28,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float
 # trainer's width/blocks/stem) whatever the model.
 _RESNET_OPTIONS = {"width": 64, "blocks": None, "stem": "cifar", "bn_axis_name": None}
 _VIT_OPTIONS = ("depth", "dim", "heads", "mlp_dim", "patch", "image_size")
-
-
-class ModelError(ValueError):
-    """A model option the user chose does not exist."""
 
 
 def family(name: str) -> str:

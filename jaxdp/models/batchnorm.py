@@ -21,6 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxdp.models.errors import ModelError
+
 
 class BatchNorm(nn.Module):
     momentum: float = 0.1
@@ -70,8 +72,6 @@ class BatchNorm(nn.Module):
             mean = jax.lax.pmean(mean, self.axis_name)
             count *= jax.lax.axis_size(self.axis_name)
         if count < 2:  # the unbiased running variance divides by count - 1
-            from jaxdp.models import ModelError  # the package imports this module first
-
             raise ModelError(f"BatchNorm in training needs more than 1 value per channel (batch x height x width"
                              f"{' x devices' if self.axis_name else ''}), got {count} for input shape {xs.shape}")
         var = jnp.square(xs - mean).mean(reduce_axes)

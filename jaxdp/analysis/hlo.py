@@ -1,0 +1,228 @@
+"""Collectives per step in compiled HLO text (``compiled.as_text()``), and compiled memory.
+
+``parse_collectives`` counts all-reduce, all-gather, reduce-scatter, collective-permute and
+all-to-all, including tuple (combined) ops, async ``-start`` forms and ops inside called
+computations, each counted as often as its computation runs (a ``while`` body times its
+known trip count). Per op and device: *input* bytes (what the device contributes:
+all-gather its chunk, reduce-scatter the full buffer) and *output* bytes (what it holds
+after: all-gather the full buffer, reduce-scatter its chunk), the replica groups, and the
+traffic in ring terms, bytes each device sends: all-reduce of S bytes 2(G-1)/G·S;
+all-gather or reduce-scatter of a full S (G-1)/G·S; collective-permute S (its buffer: for
+dp's gather to device 0, what device 0 receives per op); G = group size. The two branches
+of a ``conditional`` are alternatives: the total counts the larger, and each branch is
+listed (PowerSGD's step holds the plain average, run before ``start_iter``, and the
+compressed one). The same parser reads the HLO before XLA's passes
+(``lowered.compiler_ir("hlo").as_hlo_text()``).
+
+Text in, numbers out: nothing here imports jax.
+"""
+
+import re
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn|fnuz)?)?)\[([0-9,]*)\]")
+_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# "%name (params) -> shape {" (optimized HLO) or "name {" (before XLA's passes), at column 0
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _shapes_bytes(text: str) -> float:
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype.startswith("f8"):
+            size = 1
+        elif dtype in _DTYPE_BYTES:
+            size = _DTYPE_BYTES[dtype]
+        else:
+            continue  # token[], opaque
+        total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def replica_groups(line: str, num_devices: int):
+    """The op's device groups: explicit ``{{0,4},{1,5}}``, iota ``[G,S]<=[dims]T(perm)``
+    (iota over dims, transposed by perm, cut into G groups of S), or every device (``{}``/absent)."""
+    m = _IOTA_GROUPS.search(line)
+    if m:
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = _LIST_GROUPS.search(line)
+    if m and m.group(1):
+        return [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return [list(range(num_devices))]
+
+
+def _result_text(line: str, op_start: int) -> str:
+    return line[line.index("=") + 1:op_start]
+
+
+def _top_level(text: str):
+    """Elements of a tuple shape ``(a, (b, c), d)`` at depth 1; the text itself if not a tuple."""
+    text = text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(text[start:i])
+            start = i + 1
+            if depth == 0:
+                break
+    return parts
+
+
+def _async_output(kind: str, result: str) -> str:
+    """The output part of an async ``-start`` result: all-gather-start gives (operands, outputs),
+    collective-permute-start (operand, output, contexts); all-reduce-start just the outputs."""
+    parts = _top_level(result)
+    if kind == "all-gather" and len(parts) == 2:
+        return parts[1]
+    if kind == "collective-permute" and len(parts) >= 2:
+        return parts[1]
+    return result
+
+
+def _split_computations(hlo_text: str):
+    """({name: {"lines", "entry"}}, names in text order)."""
+    computations, current, order = {}, None, []
+    for line in hlo_text.splitlines():
+        m = None if line[:1].isspace() else _COMPUTATION.match(line.rstrip())
+        if m:
+            current = m.group(1)
+            computations[current] = {"lines": [], "entry": line.lstrip().startswith("ENTRY")}
+            order.append(current)
+        elif current is not None:
+            computations[current]["lines"].append(line)
+    return computations, order
+
+
+def _branches(line: str):
+    """The branch computations of a ``conditional`` line, in branch order (true, false for a predicate)."""
+    names = [c.strip().lstrip("%") for group in _BRANCHES.findall(line) for c in group.split(",")]
+    for key in ("true_computation", "false_computation"):
+        m = re.search(key + r"=%?([\w.\-]+)", line)
+        if m:
+            names.append(m.group(1))
+    return names
+
+
+def _call_graph(computations, order):
+    """How often each computation runs per step, and which conditional branch (if any) it is in.
+
+    Returns (runs, branch_of {computation: (conditional id, branch index)}, branch counts
+    {conditional id: branches}, while loops of unknown trip count). HLO text lists callees
+    before callers, so callers are walked first; a computation inside a branch inherits it.
+    """
+    runs = {name: (1 if c["entry"] else 0) for name, c in computations.items()}
+    branch_of, branch_counts, unknown = {}, {}, 0
+    for name in reversed(order):
+        for index, line in enumerate(computations[name]["lines"]):
+            branches = _branches(line)
+            callees = [c for c in _CALLS.findall(line) if c not in branches] + branches
+            trip = 1
+            if " while(" in line:
+                m = _TRIP.search(line)
+                trip = int(m.group(1)) if m else 1
+                unknown += m is None
+            if branches:
+                branch_counts[(name, index)] = len(branches)
+            for callee in callees:
+                if callee not in runs:
+                    continue
+                is_body = re.search(r"\bbody=%?" + re.escape(callee) + r"\b", line) is not None
+                runs[callee] += runs[name] * (trip if is_body else 1)
+                tag = branch_of.get(name)  # nested conditionals count as their outermost branch
+                if tag is None and callee in branches:
+                    tag = ((name, index), branches.index(callee))
+                if tag is not None:
+                    branch_of.setdefault(callee, tag)
+    return runs, branch_of, branch_counts, unknown
+
+
+def _op_bytes(kind: str, out: float, g: int):
+    """(input bytes, ring bytes sent) per device for an op whose per-device output is ``out`` bytes."""
+    return {
+        "all-reduce": (out, 2 * (g - 1) / g * out),
+        "all-gather": (out / g, (g - 1) / g * out),
+        "reduce-scatter": (out * g, (g - 1) * out),
+        "collective-permute": (out, out),
+        "all-to-all": (out, (g - 1) / g * out),
+    }[kind]
+
+
+def parse_collectives(hlo_text: str, num_devices: int) -> dict:
+    """Count collectives in optimized HLO text; bytes per device, in ring terms (see module docstring).
+
+    Returns ``{"ops": {kind: {"count", "input_bytes", "output_bytes", "ring_bytes", "by_groups"}},
+    "ring_bytes": total, "conditionals": [ring bytes per branch, ...], "unknown_trip_counts": n}``.
+    ``ops`` counts every op, in every branch; ``ring_bytes`` counts the larger branch of each
+    conditional. ``by_groups``: per distinct replica-group layout (None for collective-permute).
+    """
+    computations, order = _split_computations(hlo_text)
+    runs, branch_of, branch_counts, unknown = _call_graph(computations, order)
+    ops = {kind: {"count": 0, "input_bytes": 0.0, "output_bytes": 0.0, "ring_bytes": 0.0, "by_groups": []}
+           for kind in COLLECTIVES}
+    unconditional, branch_ring = 0.0, {cid: [0.0] * n for cid, n in branch_counts.items()}
+    for name, c in computations.items():
+        for line in c["lines"]:
+            m = _OP.search(line)
+            if not m or "=" not in line[:m.start()]:
+                continue
+            kind, is_start = m.group(1), m.group(2) is not None
+            result = _result_text(line, m.start())
+            if is_start:
+                result = _async_output(kind, result)
+            out = _shapes_bytes(result)
+            groups = None if kind == "collective-permute" else replica_groups(line, num_devices)
+            g = max(len(groups[0]) if groups else num_devices, 1)
+            inp, ring = _op_bytes(kind, out, g)
+            k = runs.get(name, 1) or 1
+            entry = ops[kind]
+            entry["count"] += k
+            entry["input_bytes"] += k * inp
+            entry["output_bytes"] += k * out
+            entry["ring_bytes"] += k * ring
+            _add_to_groups(entry["by_groups"], groups, k, out, ring)
+            if name in branch_of:
+                cid, branch = branch_of[name]
+                branch_ring[cid][branch] += k * ring
+            else:
+                unconditional += k * ring
+    conditionals = [b for b in branch_ring.values() if any(b)]
+    return {"ops": ops, "ring_bytes": unconditional + sum(max(b) for b in conditionals),
+            "conditionals": conditionals, "unknown_trip_counts": unknown}
+
+
+def _add_to_groups(by_groups: list, groups, k: int, out: float, ring: float) -> None:
+    for entry in by_groups:
+        if entry["groups"] == groups:
+            break
+    else:
+        entry = {"groups": groups, "count": 0, "output_bytes": 0.0, "ring_bytes": 0.0}
+        by_groups.append(entry)
+    entry["count"] += k
+    entry["output_bytes"] += k * out
+    entry["ring_bytes"] += k * ring
+
+
+def compiled_memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes")
+    return {f.replace("_size_in_bytes", ""): int(getattr(m, f, 0) or 0) for f in fields}

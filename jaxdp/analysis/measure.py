@@ -1,0 +1,146 @@
+"""One strategy measured: model state per device against the formulas (``state``), compiled
+memory and collectives per step (``hlo``), as the dict ``jaxdp inspect --json`` prints.
+
+The compiled memory is ``memory_analysis()`` of ``strategy.lower_step(...).compile()``
+(argument, output, alias, temp); the collectives are counted in ``compiled.as_text()`` and,
+as ``ring_bytes_as_written``, in the HLO before XLA's passes, printed where it differs:
+XLA:CPU promotes a bf16 all-reduce to f32.
+
+Nothing here imports jax at module level.
+"""
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxdp.analysis.hlo import compiled_memory, parse_collectives
+from jaxdp.analysis.state import (extra_formula, formula_bytes, kept_grad_bytes, padded_count, root_params,
+                                  state_bytes, strategy_traffic_formula)
+
+
+class InspectError(ValueError):
+    """Options that cannot be inspected (one line on the command line)."""
+
+
+def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int = 64,
+                     blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
+                     dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
+                     mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0) -> dict:
+    """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
+    starts) for a freshly initialised model, and ``measure`` it. ``options``: the strategy's
+    own (``allreduce``, ``compress``, ``powersgd_rank``, ``staleness``); zero3 and hsdp get
+    the model's FSDP units (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``."""
+    import jax
+
+    from jaxdp.mesh import make_mesh
+    from jaxdp.models import create_model
+    from jaxdp.optim import make_optimizer
+    from jaxdp.strategies import create_strategy, options_of
+    from jaxdp.task import classifier
+
+    if batch_per_device < 1 or image_size < 1:
+        raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
+    if dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
+    check_batchnorm_has_values(net, batch_per_device, image_size)
+    lr = 0.1 if optimizer == "sgd" else 1e-3
+    tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
+    options = dict(options or {}, **({"mesh_shape": mesh_shape} if name == "hsdp" else {}))
+    strategy = create_strategy(name, net, classifier(net), tx, make_mesh(n), **fsdp_options(name, net, options))
+    rng = np.random.default_rng(seed)
+    global_batch = batch_per_device * strategy.num_devices
+    batch = {"image": rng.normal(size=(global_batch, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
+             "label": rng.integers(0, net.num_classes, global_batch).astype(np.int32)}
+    report = measure(strategy, batch, seed=seed, compile=compile)
+    report.update(model=model, width=width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
+                  optimizer=optimizer, options={k: v for k, v in options.items() if v is not None})
+    if "units" in options_of(name):
+        report.update(fsdp_units=[getattr(u, "__name__", u) for u in strategy.units.classes + strategy.units.patterns],
+                      fsdp_unit_count=len(strategy.unit_paths))
+    return report
+
+
+def fsdp_options(name: str, model, options: Optional[dict] = None) -> dict:
+    """``options`` plus, for a strategy that takes ``units`` (zero3, hsdp), ``units=fsdp_units(model)``
+    (unless given): the model's own FSDP units, as torch_ref's FSDP2 wraps them."""
+    from jaxdp.models import fsdp_units
+    from jaxdp.strategies import options_of
+
+    options = dict(options or {})
+    if "units" in options_of(name) and "units" not in options:
+        options["units"] = fsdp_units(model)
+    return options
+
+
+def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> None:
+    """InspectError if some BatchNorm would see 1 value per channel on a device: the unbiased
+    running variance divides by count - 1. Found by tracing the model (no compute)."""
+    import jax
+
+    from jaxdp.models.batchnorm import BatchNorm
+
+    def forward(x):
+        variables = net.init(jax.random.key(0), x, train=False)
+        _, state = net.apply(variables, x, train=False,
+                             capture_intermediates=lambda module, _: isinstance(module, BatchNorm))
+        return state.get("intermediates", {})  # none: the model has no BatchNorm
+
+    x = jax.ShapeDtypeStruct((batch_per_device, image_size, image_size, 3), net.dtype)
+    outputs = jax.tree_util.tree_leaves(jax.eval_shape(forward, x))
+    smallest = min((o.shape for o in outputs), key=lambda shape: int(np.prod(shape[:-1])), default=None)
+    if smallest is not None and np.prod(smallest[:-1]) < 2:
+        h, w = smallest[1:3]
+        raise InspectError(
+            f"--image-size {image_size} with --batch-per-device {batch_per_device} leaves a BatchNorm "
+            f"{batch_per_device} image(s) of {h}x{w} = 1 value per channel (its running variance divides "
+            f"by count - 1); use --batch-per-device 2 or a larger --image-size")
+
+
+def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compile: bool = True) -> dict:
+    """Everything in the module docstring, for a built strategy and a host batch (a pytree of
+    global numpy arrays, e.g. ``{"image", "label"}``). The state measured: ``state`` if given
+    (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
+    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.init`` (sharded, from ``seed``)."""
+    import jax
+
+    strategy.learn_structure(batch)
+    if state is None:
+        state = strategy.init(jax.random.key(seed), batch) if variables is None else strategy.init_state(variables)
+    params = strategy.shapes  # the full params' shapes and dtypes
+    leaves = jax.tree_util.tree_leaves(params)
+    psi = int(sum(np.prod(x.shape) for x in leaves))
+    p = int(np.dtype(leaves[0].dtype).itemsize)
+    shards = strategy.shards
+    psi_pad = padded_count(params, shards)
+    root = root_params(strategy, params)
+    root_pad = padded_count(root, shards) if root is not None else None
+    # K from the optimizer itself: its per-parameter state as DDP holds it.
+    per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
+    k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
+    images = np.asarray(jax.tree_util.tree_leaves(batch)[0])
+    sharded = strategy.shard_batch(batch)
+
+    measured = state_bytes(state, strategy, params)
+    measured["grads"] = kept_grad_bytes(strategy, state, sharded)
+    formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
+    mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.devices.ndim == 2 else None
+    report = {
+        "strategy": strategy.name, "devices": strategy.num_devices, "mesh_shape": mesh_shape, "shards": shards,
+        "psi": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
+        "opt_bytes_per_param": k,
+        "batch_per_device": int(images.shape[0]) // strategy.num_devices, "image_size": images.shape[-2],
+        "state": {"measured": measured, "formula": formula["exact"], "formula_padded": formula["padded"]},
+        "traffic_formula_bytes": strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape,
+                                                          root_pad or 0),
+    }
+    if compile:
+        lowered = strategy.lower_step(state, sharded)
+        compiled = lowered.compile()
+        report["memory"] = compiled_memory(compiled)
+        report["collectives"] = parse_collectives(compiled.as_text(), strategy.num_devices)
+        # The program as written, before XLA's passes: XLA:CPU promotes a bf16 all-reduce to f32
+        # (measured: 2x the bytes for --compress bf16; fp16 stays 2 bytes).
+        written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), strategy.num_devices)
+        report["ring_bytes_as_written"] = written["ring_bytes"]
+    return report

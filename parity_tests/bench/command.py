@@ -1,0 +1,100 @@
+"""``jaxdp bench``: its options and the run that writes bench.json, bench.md and the PNG.
+Registered with ``jaxdp`` as the entry point ``BENCH`` (``jaxdp.commands``): it needs the
+[torch] extra (torch_ref and matplotlib).
+
+Jax- and torch-free at import: the device count and XLA flags are set before jax starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jaxdp.commands import Command
+from jaxdp.flags import comma_ints
+from parity_tests.bench import cuda_host
+from parity_tests.bench.jax_side import prepare_jax
+from parity_tests.bench.report import HEADER, markdown, plots
+from parity_tests.bench.runner import run_bench
+
+QUICK = dict(width=8, blocks=(1, 1, 1, 1), global_batch=16, steps=10, warmup=2, n=(1, 2))
+
+
+def add_bench_args(p) -> None:
+    from jaxdp import choices
+    from jaxdp.flags import deprecated_alias
+
+    p.add_argument("--strategies", default=None, help="comma list (default: every registered strategy)")
+    p.add_argument("--devices", dest="n", type=comma_ints, default=None,
+                   help="device counts, e.g. 1,2,4,8 (default 1,2,4,8)")
+    deprecated_alias(p, "--n", "--devices", dest="n", type=comma_ints)
+    p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
+    p.add_argument("--width", type=int, default=None, help="ResNet: channels of the first stage (default 16)")
+    p.add_argument("--blocks", type=comma_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1")
+    p.add_argument("--global-batch-size", dest="global_batch", type=int, default=None,
+                   help="images per step over all devices (default 32)")
+    deprecated_alias(p, "--global-batch", "--global-batch-size", dest="global_batch", type=int)
+    p.add_argument("--dtype", default=None, metavar=choices.listing(choices.DTYPES), help="float32 (CPU default) | bfloat16 (GPU default)")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="sgd (momentum 0.9) | adam")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default 2)")
+    p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
+    p.add_argument("--pipeline-images", type=int, default=4096, help="images in the input-pipeline measurement")
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny settings: width {QUICK['width']}, blocks 1,1,1,1, batch {QUICK['global_batch']}, "
+                        f"N {','.join(map(str, QUICK['n']))}, {QUICK['steps']} steps")
+    p.add_argument("--out", default="benchmarks/results", help="folder for bench.json, bench.md and the PNGs")
+    p.add_argument("--tag", default="bench", help="file name stem of the outputs")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per torch launch")
+
+
+def _resolve(args) -> dict:
+    gpu = cuda_host()
+    q = QUICK if args.quick else {}
+    from jaxdp.config import TrainError  # not jaxdp.models: jax must not start before prepare_jax
+
+    resnet = not args.model.startswith("vit")  # a ViT keeps its named size: width/blocks are ResNet's
+    if not resnet and (args.width or args.blocks):
+        raise TrainError(f"--width/--blocks size a ResNet, not {args.model}")
+    return {
+        "model": args.model,
+        "width": args.width or q.get("width", 16) if resnet else 64,  # 64: create_model's default, ignored by a ViT
+        "blocks": args.blocks or q.get("blocks") if resnet else None,
+        "global_batch": args.global_batch or q.get("global_batch", 32),
+        "dtype": args.dtype or ("bfloat16" if gpu else "float32"),
+        "optimizer": args.optimizer,
+        "steps": args.steps or q.get("steps", 10),
+        "warmup": args.warmup if args.warmup is not None else q.get("warmup", 2),
+        "n": args.n or q.get("n", (1, 2, 4, 8)),
+    }
+
+
+def run(args) -> int:
+    cfg = _resolve(args)
+    prepare_jax(max(cfg["n"]))
+    from jaxdp.strategies import STRATEGIES
+
+    strategies = [s for s in (args.strategies.split(",") if args.strategies else STRATEGIES) if s]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        from jaxdp.strategies import StrategyError
+
+        raise StrategyError(f"unknown strategy {', '.join(unknown)}; registered: {', '.join(STRATEGIES)}")
+    print(HEADER)
+    result = run_bench(cfg, strategies, with_torch=args.torch, timeout_s=args.timeout,
+                       pipeline_images=args.pipeline_images)
+    os.makedirs(args.out, exist_ok=True)
+    md = markdown(result)
+    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+        f.write(md + "\n")
+    paths = plots(result, args.out, args.tag)
+    print()
+    print(md)
+    print(f"\nwrote {os.path.join(args.out, args.tag)}.json, .md, {', '.join(paths)}")
+    return 0
+
+
+BENCH = Command("jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N", add_bench_args, run,
+                requires=("torch", "matplotlib"))

@@ -1,0 +1,156 @@
+"""The bench's rows: every (N, strategy), jaxdp and torch_ref in alternating order, the
+environment each ran in, and the input pipeline's rate beside the best training rate."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxdp.commands import CommandError
+from parity_tests.bench import hsdp_mesh_shape
+from parity_tests.bench.jax_side import bench_jax, bench_pipeline
+from parity_tests.bench.report import row_line
+from parity_tests.bench.torch_side import bench_torch, torch_twin
+
+# Dense bf16 peak per device, TFLOP/s, by a substring of the device name (first match wins).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0,
+               "L4": 121.0, "V100": 125.0}
+RESNET18_CIFAR_FLOP = 3.33e9  # per trained image (fwd + bwd), width 64, 32x32
+
+
+def environment() -> dict:
+    import jax
+
+    env = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "host": platform.node(), "python": platform.python_version(),
+        "jax": jax.__version__, "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind, "jax_devices": len(jax.devices()),
+        "cpu_count": os.cpu_count(), "cpu_affinity": sorted(os.sched_getaffinity(0)),
+        "cpu_model": _cpu_model(),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "jax_already_imported_before_flags": "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""),
+        "torch_threads_per_rank": 1,
+        "loadavg": list(os.getloadavg()),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["torch_cuda"] = torch.cuda.is_available()
+    except ImportError:
+        env["torch"] = None
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def peak_tflops(device_kind: str) -> Optional[float]:
+    for key, value in PEAK_TFLOPS.items():
+        if key.lower() in device_kind.lower():
+            return value
+    return None
+
+
+def flop_per_image(model: str, width: int) -> Optional[float]:
+    """ResNet-18 CIFAR FLOP per trained image, conv FLOP scaling with width^2 (other models: None)."""
+    return RESNET18_CIFAR_FLOP * (width / 64) ** 2 if model == "resnet18" else None
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _summary(rec: dict, global_batch: int) -> dict:
+    med = _median(rec.get("step_times_s", []))
+    rec["median_step_s"] = med
+    rec["images_per_s"] = global_batch / med if med else None
+    return rec
+
+
+class BenchError(CommandError):
+    """A bench request with nothing to measure: one line, no traceback."""
+
+
+def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, timeout_s: float = 600.0,
+              pipeline_images: int = 4096, log=print) -> dict:
+    import jax
+
+    env = environment()
+    available = len(jax.devices())
+    ns = [n for n in cfg["n"] if n <= available and cfg["global_batch"] % n == 0]
+    skipped = [n for n in cfg["n"] if n not in ns]
+    if not ns or not strategies:
+        raise BenchError("nothing to benchmark: no strategy given" if not strategies else
+                         f"nothing to benchmark: every N in {list(cfg['n'])} was skipped (only {available} "
+                         f"devices, or global batch {cfg['global_batch']} not divisible by N)")
+    if skipped:
+        log(f"bench: skipping N = {skipped} (only {available} devices, or global batch "
+            f"{cfg['global_batch']} not divisible)")
+    peak = peak_tflops(env["device_kind"]) if env["backend"] == "gpu" else None
+    fpi = flop_per_image(cfg["model"], cfg["width"])
+    rng = np.random.default_rng(0)
+    rows = []
+    i = 0
+    for n in ns:
+        images = rng.normal(size=(n, cfg["global_batch"] // n, 32, 32, 3)).astype(np.float32)
+        labels = rng.integers(0, 10, size=(n, cfg["global_batch"] // n)).astype(np.int32)
+        for name in strategies:
+            row = {"strategy": name, "n": n, "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
+                   "order": "jaxdp first" if i % 2 == 0 else "torch_ref first",
+                   "loadavg_before": list(os.getloadavg())}
+            do_torch = with_torch and torch_twin(name) is not None
+
+            def do_jax():
+                try:
+                    row["jaxdp"] = _summary(bench_jax(name, n, cfg, images.reshape(-1, 32, 32, 3),
+                                                      labels.reshape(-1)), cfg["global_batch"])
+                except Exception as e:
+                    row["jaxdp"] = {"error": f"{type(e).__name__}: {e}"}
+
+            def do_torch_row():
+                try:
+                    row["torch_ref"] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s),
+                                                cfg["global_batch"])
+                except Exception as e:
+                    row["torch_ref"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+
+            order = [do_jax, do_torch_row] if i % 2 == 0 else [do_torch_row, do_jax]
+            for f in order:
+                if f is do_torch_row and not do_torch:
+                    continue
+                f()
+            i += 1
+            row["loadavg_after"] = list(os.getloadavg())
+            j, t = row.get("jaxdp", {}), row.get("torch_ref", {})
+            if j.get("median_step_s") and t.get("median_step_s"):
+                row["ratio_jax_over_torch"] = j["median_step_s"] / t["median_step_s"]
+            if peak and fpi and j.get("images_per_s"):
+                row["mfu_jaxdp"] = j["images_per_s"] * fpi / (n * peak * 1e12)
+                if t.get("images_per_s"):
+                    row["mfu_torch_ref"] = t["images_per_s"] * fpi / (n * peak * 1e12)
+            rows.append(row)
+            log(row_line(row))
+    pipe = bench_pipeline(max(ns), cfg["global_batch"], pipeline_images) if ns else None
+    best = max((r["jaxdp"]["images_per_s"] for r in rows if r.get("jaxdp", {}).get("images_per_s")), default=None)
+    if pipe and best:
+        pipe["best_jaxdp_train_images_per_s"] = best
+        pipe["headroom"] = pipe["images_per_s"] / best
+    env["loadavg_end"] = list(os.getloadavg())
+    return {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+            "strategies": list(strategies), "environment": env, "peak_tflops": peak, "flop_per_image": fpi,
+            "rows": rows, "pipeline": pipe}

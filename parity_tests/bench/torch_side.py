@@ -1,0 +1,122 @@
+"""The bench's torch_ref side: the twin strategy on N ranks, each timing its own steps.
+
+Torch-free at import: the ranks (forkserver children) import this module to run ``_torch_worker``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+
+from parity_tests.bench import hsdp_mesh_shape
+
+
+def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.ndarray, labels: np.ndarray,
+                  warmup: int, steps: int, timeout_s: float, backend: str = "gloo") -> None:
+    """One rank: build the Runner, run warm-up steps, time ``steps`` steps (see module docstring)."""
+    import pickle
+    import traceback
+
+    code = 1
+    try:
+        from torch_ref.launcher import rank_env
+
+        os.environ.update(rank_env(rank, world, backend))  # torchrun's variables: cuda:rank on nccl
+        import torch
+
+        torch.set_num_threads(1)
+        from torch_ref import dist as tdist
+        from torch_ref.step_api import build
+
+        tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"), rank=rank, world_size=world,
+                   backend=backend)
+        runner = build(config, None)
+        cuda = tdist.device().type == "cuda"  # gloo runs on the CPU, GPUs or not
+        x, y = images[rank], labels[rank]
+        for _ in range(warmup):
+            runner.step(x, y, collect=False)
+        times, out = [], None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            torch.distributed.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = runner.step(x, y, collect=False)  # ends with an all-gather of the losses
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        if rank == 0:
+            result = {"step_times_s": times, "loss": out["loss"],
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "backend": tdist.backend(),
+                      "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+            tmp = os.path.join(workdir, "results.pkl.tmp")
+            with open(tmp, "wb") as f:
+                pickle.dump(result, f)
+            os.replace(tmp, os.path.join(workdir, "results.pkl"))
+        torch.distributed.barrier()
+        code = 0
+    except BaseException:
+        with open(os.path.join(workdir, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:  # no teardown: see torch_ref.launcher._worker
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def torch_twin(name: str) -> Optional[str]:
+    """torch_ref's strategy for ``name`` (its facts), None where the twin holds only for some
+    options: async is DDP at staleness 0, which the ddp row already times."""
+    from jaxdp.strategies import facts
+
+    f = facts(name)
+    return None if f.twin_when else f.torch_twin
+
+
+def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float) -> dict:
+    """Launch ``n`` ranks (dp: one process on the full batch) and collect rank 0's step times."""
+    import pickle
+    import shutil
+    import tempfile
+
+    from torch_ref import launcher
+    from torch_ref.dist import resolve_backend
+
+    config = {"strategy": torch_twin(name), "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
+              "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
+              "total_steps": cfg["warmup"] + cfg["steps"]}
+    if name == "hsdp":
+        config["mesh_shape"] = hsdp_mesh_shape(name, n)
+    world = n
+    if name == "dp":  # single process holding the whole batch (nn.DataParallel's CPU fallback)
+        world = 1
+        images = images.reshape(1, -1, *images.shape[2:])
+        labels = labels.reshape(1, -1)
+    # Resolved here, not in the ranks: a forkserver started earlier has another environment.
+    backend = resolve_backend(cfg.get("torch_backend"), world)
+    ctx = launcher._context()
+    workdir = tempfile.mkdtemp(prefix="jaxdp_bench_torch_")
+    procs = []
+    t0 = time.perf_counter()
+    try:
+        for r in range(world):
+            p = ctx.Process(target=_torch_worker, daemon=True,
+                            args=(r, world, workdir, config, images, labels, cfg["warmup"], cfg["steps"], timeout_s,
+                                  backend))
+            p.start()
+            procs.append(p)
+        launcher._wait(procs, workdir, timeout_s)
+        with open(os.path.join(workdir, "results.pkl"), "rb") as f:
+            rec = pickle.load(f)
+    finally:
+        launcher._stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+    rec.update(framework="torch_ref", config=config, world=world, launch_wall_s=time.perf_counter() - t0)
+    return rec

@@ -1,0 +1,106 @@
+"""``jaxdp parity`` (and ``python -m parity_tests``): its options and the run that prints and
+writes the report. Registered with ``jaxdp`` as the entry point ``PARITY`` (``jaxdp.commands``):
+it needs the [torch] extra.
+
+Jax- and torch-free at import: the parser is built before ``--devices`` reaches XLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxdp.commands import Command
+from jaxdp.flags import comma_floats, comma_ints
+from parity_tests import report, runner
+from parity_tests.config import ParityConfig, ParityError
+from parity_tests.pairs import PAIRS
+
+
+def add_parity_args(p: argparse.ArgumentParser) -> None:
+    """The ``jaxdp parity`` arguments (also ``python -m parity_tests``)."""
+    d = ParityConfig()
+    g = p.add_argument_group("pair")
+    from jaxdp import choices
+    from jaxdp.flags import deprecated_alias
+
+    g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(PAIRS), help="jaxdp strategy")
+    g.add_argument("--devices", type=int, default=d.devices,
+                   help="jaxdp devices = torch ranks (on CPU the devices are simulated)")
+    g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
+    deprecated_alias(g, "--accum", "--accum-steps", dest="accum_steps", type=int)
+    g.add_argument("--sync-bn", action="store_true", help="global BN statistics (torch: see the pair table)")
+    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
+    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES), help="ddp, zero1")
+    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
+                   help="ddp, zero1 gradient compression (default: none)")
+    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
+    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
+                   help="powersgd: plain all-reduce for the first N steps")
+    g.add_argument("--staleness", type=int, default=d.staleness, help="async: only 0 has a torch twin")
+    g.add_argument("--mesh-shape", type=comma_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=d.model, metavar=choices.listing(choices.MODELS), help="architecture")
+    g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
+    g.add_argument("--blocks", type=comma_ints, default=d.blocks, help="ResNet: blocks per stage, e.g. 1,1,1,1 or 2,2,2,2")
+    g.add_argument("--stem", default=d.stem, metavar=choices.listing(choices.STEMS), help="ResNet stem")
+    for size in ("depth", "dim", "heads", "mlp_dim", "patch"):
+        g.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
+                       help=f"ViT: {size} (default: the named model's)")
+    g.add_argument("--dtype", default=d.dtype, metavar=choices.listing(choices.DTYPES), help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
+    g.add_argument("--steps", type=int, default=d.steps, help="updates compared")
+    g.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="images per device per update")
+    g.add_argument("--image-size", type=int, default=d.image_size, help="centre crop S x S of the 32x32 images")
+    g.add_argument("--dataset-size", type=int, default=d.dataset_size, help="synthetic training images")
+    g.add_argument("--seed", type=int, default=d.seed, help="init and data order")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", default=d.optimizer, metavar=choices.listing(choices.OPTIMIZERS), help="torch.optim's semantics")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="sgd momentum")
+    g.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 (sgd, adam) or decoupled (adamw)")
+    g.add_argument("--betas", type=comma_floats, default=d.betas, help="adam, adamw: b1,b2")
+    g.add_argument("--eps", type=float, default=d.eps, help="adam, adamw")
+    g.add_argument("--schedule", default=d.schedule, metavar=choices.listing(choices.SCHEDULES), help="lr schedule over the updates")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="warmup_cosine: linear warmup updates")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="runs/parity", help="report.json and parity.png go here")
+    g.add_argument("--png", default=None, help="also write the plot to this path (e.g. docs/parity.png)")
+    g.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
+                   help="seconds before the torch ranks are killed")
+    g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default=d.backend,  # torch_ref.dist.BACKENDS
+                   help="torch side's process group. auto (default): $JAXDP_TORCH_BACKEND if set, else nccl "
+                        "when CUDA has a GPU for every torch rank (rank r on cuda:r), else gloo. nccl without "
+                        "enough GPUs is an error; gloo keeps torch on the CPU, also on a GPU host")
+    g.add_argument("--inject-bug", default=None, metavar="BUG",
+                   help="demo: run jaxdp with a deliberate bug (same_padding | biased_var | "
+                        "missing_1_over_n | wrong_shard_bn | late_lr_schedule (needs --schedule "
+                        "warmup_cosine, --steps >= --warmup-steps + 2) | adam_bias_correction (adam, "
+                        "adamw) | shard_grad_perturbation (float64 only sees it) | error_feedback_dropped "
+                        "(--compress powersgd, --steps >= --powersgd-start-iter + 2)) and watch the harness "
+                        "name it; exit status 1 when it is caught, 3 when it is not (the harness is broken)")
+
+
+def config_from_args(args: argparse.Namespace) -> ParityConfig:
+    fields = ParityConfig.__dataclass_fields__
+    return ParityConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    try:
+        result = runner.run_parity(cfg, bug=args.inject_bug)
+    except ParityError as e:
+        print(f"jaxdp parity: error: {e}", file=sys.stderr)
+        return 2
+    report.print_report(result)
+    paths = report.write(result, args.out, extra_png=args.png)
+    print("wrote " + ", ".join(paths))
+    if result.missed_bug:
+        print(f"jaxdp parity: error: {result.message()}", file=sys.stderr)
+        return 3
+    return 0 if result.passed else 1
+
+
+PARITY = Command("step-by-step parity of a jaxdp strategy with its PyTorch twin", add_parity_args, cmd_parity,
+                 requires=("torch",))

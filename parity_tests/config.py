@@ -1,0 +1,58 @@
+"""A parity run's configuration: one step's options (``jaxdp.step_config``, the names
+``jaxdp train`` and torch_ref use) plus the run's size and the harness's own.
+
+The defaults are a tiny float64 ResNet for a few steps on 2 devices: tight bounds in seconds.
+Jax- and torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from jaxdp.step_config import ModelOptions, OptimizerOptions, StrategyOptions
+
+
+class ParityError(ValueError):
+    """A parity run that cannot be set up as asked (unknown pair, impossible option)."""
+
+
+@dataclass
+class ParityConfig(OptimizerOptions, ModelOptions, StrategyOptions):
+    # the step's defaults changed for parity: a tiny model, float64, a small lr, PowerSGD early
+    width: int = 4
+    blocks: Optional[Tuple[int, ...]] = (1, 1, 1, 1)
+    dtype: str = "float64"
+    lr: float = 0.01
+    powersgd_start_iter: int = 2
+    # the run
+    steps: int = 5
+    devices: int = 2
+    batch_per_device: int = 8
+    image_size: int = 32  # centre crop of the 32x32 images (a ViT's position embeddings follow it)
+    dataset_size: int = 256
+    seed: int = 0
+    # the harness
+    timeout_s: float = 300.0
+    backend: str = "auto"  # torch side: auto | nccl | gloo (torch_ref.dist.resolve_backend)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def model_options(self) -> Dict[str, Any]:
+        """The options of this model's family, as both ``create_model``s take them."""
+        from jaxdp.models import family
+
+        if family(self.model) == "resnet":
+            given = [k for k in self.VIT_OPTIONS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} size a ViT, not {self.model}")
+            return dict(width=self.width, blocks=tuple(self.blocks) if self.blocks else None, stem=self.stem)
+        sizes = {k: getattr(self, k) for k in self.VIT_OPTIONS if getattr(self, k) is not None}
+        return {**sizes, "image_size": self.image_size}
+
+    def model_summary(self) -> str:
+        """'resnet18 width 4 blocks (1, 1, 1, 1)' or 'vit-tiny depth 2 dim 16 ...' for reports."""
+        opts = {k: v for k, v in self.model_options().items() if k not in ("stem", "image_size")}
+        return " ".join([self.model, *(f"{k} {v}" for k, v in opts.items())])

@@ -1,0 +1,123 @@
+"""jaxdp's side of a parity run: the strategy of the plan, K steps from the shared weights and
+batches, each step's record in torch_ref's format (torch names and layouts).
+
+Nothing here imports jax at module level.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from parity_tests.plan import Plan, powersgd_leaf
+
+
+def configure_precision(cuda: bool) -> None:
+    """XLA's highest matmul precision on GPUs (no TF32) for the jaxdp side.
+
+    The torch side turns TF32 off inside each rank (``torch_ref.launcher.no_tf32``):
+    the ranks are forked from a forkserver that may have started earlier, with another
+    environment, so neither this process's torch flags nor its environment reach them.
+    (float64 never uses TF32; on CPU this changes nothing.)"""
+    import jax
+
+    if cuda or jax.default_backend() == "gpu":
+        os.environ["NVIDIA_TF32_OVERRIDE"] = "0"  # read by cuBLAS/cuDNN when XLA first loads them
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def jax_strategy(p: Plan, variables=None):
+    """The jaxdp strategy for the plan (model, classifier task, optimizer, mesh), ``return_grads=True``.
+    zero3/hsdp shard per FSDP unit, the model's own (``fsdp_units``: residual or encoder blocks), as
+    torch_ref's FSDP2 twin ``fully_shard``s every block and then the root."""
+    from jaxdp.mesh import make_mesh
+    from jaxdp.models import create_model, fsdp_units
+    from jaxdp.optim import make_optimizer, make_schedule
+    from jaxdp.strategies import create_strategy
+    from jaxdp.task import classifier
+
+    cfg = p.cfg
+    model = create_model(cfg.model, num_classes=cfg.num_classes, dtype=cfg.dtype, **cfg.model_options())
+    lr = (cfg.lr if cfg.schedule == "constant" and cfg.warmup_steps == 0 else
+          make_schedule(cfg.schedule, cfg.lr, p.torch_config["total_steps"], warmup_steps=cfg.warmup_steps))
+    tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                        weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps)
+    units = {"units": fsdp_units(model)} if cfg.strategy in ("zero3", "hsdp") else {}
+    return create_strategy(cfg.strategy, model, classifier(model), tx, make_mesh(cfg.devices),
+                           accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, return_grads=True, **units,
+                           **p.jax_options)
+
+
+def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
+            batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
+    """K jaxdp steps; one record per step in torch_ref's format (torch names and layouts).
+    64-bit types exist only in a float64 run: a float32 run traces with x64 off, as a user's
+    float32 program would (int32 indices, float32 constants), whatever the caller's setting."""
+    import jax
+
+    with jax.enable_x64(p.cfg.dtype == "float64"):
+        p.jax_x64 = bool(jax.config.jax_enable_x64)
+        return _jax_steps(p, state_dict, batches)
+
+
+def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
+               batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
+    import jax
+
+    from jaxdp.interop import tree_to_torch_names, variables_from_state_dict
+    from parity_tests.optim_state import torch_optimizer_state
+
+    # bfloat16 is mixed precision: float32 params (the master weights), bf16 compute.
+    variables = variables_from_state_dict(state_dict, dtype="float32" if p.cfg.dtype == "bfloat16" else p.cfg.dtype)
+    strategy = jax_strategy(p)
+    state = strategy.init_state(variables)
+    records = []
+    for images, labels in batches:
+        flat_images = images.reshape(-1, *images.shape[2:])
+        batch = strategy.shard_batch({"image": flat_images, "label": labels.reshape(-1)})
+        state, metrics = strategy.step(state, batch)
+        metrics = jax.device_get(metrics)
+        canon = jax.device_get(strategy.canonical(state))
+        opt = torch_optimizer_state(p.cfg.optimizer, canon.opt_state)
+        opt_named: Dict[str, Dict[str, np.ndarray]] = {}
+        for key, tree in opt.items():
+            if key == "step":
+                continue
+            for name, value in tree_to_torch_names(tree).items():
+                opt_named.setdefault(name, {})[key] = value
+        if "step" in opt:
+            for name in opt_named:
+                opt_named[name]["step"] = np.asarray(float(opt["step"]))
+        records.append({
+            "loss": float(metrics["loss"]),
+            "loss_per_rank": [float(x) for x in np.asarray(metrics["loss_per_device"])],
+            "grads": tree_to_torch_names(metrics["grads"]),
+            "params": tree_to_torch_names(canon.params),
+            "buffers": tree_to_torch_names(canon.model_state.get("batch_stats", {}), "batch_stats"),
+            "optimizer_state": opt_named,
+        })
+        comm = powersgd_state(canon.extra)
+        if comm is not None:
+            records[-1]["comm_state"] = comm
+    return records
+
+
+def powersgd_state(extra) -> Optional[Dict[str, Dict[str, np.ndarray]]]:
+    """jaxdp's PowerSGD state (``extra``: per-device error, Q by leaf name) in the torch
+    record's form: {torch name: {"error": (devices, *torch shape), "q": (m, r)}}."""
+    import jax
+
+    from jaxdp.interop import tree_to_torch_names
+
+    if not isinstance(extra, dict) or "error" not in extra:
+        return None
+    errors = extra["error"]
+    devices = jax.tree_util.tree_leaves(errors)[0].shape[0]
+    per_device = [tree_to_torch_names(jax.tree_util.tree_map(lambda e: e[d], errors)) for d in range(devices)]
+    out = {name: {"error": np.stack([named[name] for named in per_device])} for name in per_device[0]}
+    torch_name = {powersgd_leaf(name): name for name in out}
+    for leaf, q in (extra.get("q") or {}).items():
+        out[torch_name[leaf]]["q"] = np.asarray(q)
+    return out

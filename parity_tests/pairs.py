@@ -1,0 +1,102 @@
+"""The pairs: each jaxdp strategy and its PyTorch twin.
+
+``pair_for`` builds each row from the strategy's facts (``jaxdp.strategies.facts``); a later
+strategy plugs in by adding its name to ``PAIRS`` (and, if it has options of its own, their
+names to ``PAIR_OPTIONS``, which ``jaxdp.step_config.StrategyOptions`` declares).
+
+==========================  ==============================================  ======  =================================
+jaxdp                       torch_ref (PyTorch)                             ranks   notes
+==========================  ==============================================  ======  =================================
+ddp                         DistributedDataParallel, broadcast_buffers      N       BN: per-rank stats, rank 0's
+                                                                                    running stats
+ddp --accum-steps K         DDP, ``no_sync()`` on K-1 micro-steps           N       loss/K per micro-step
+ddp --sync-bn               CUDA: DDP + SyncBatchNorm (N ranks);            N / 1   SyncBatchNorm raises on CPU
+                            CPU: ONE process on the full global batch               tensors; full-batch BN is the
+                                                                                    same math (global statistics)
+ddp --allreduce ring        DDP (gloo/nccl all-reduce)                      N       ring of ppermutes vs library
+ddp --compress bf16|fp16    DDP + ``bf16/fp16_compress_hook``               N       bounds at the wire's precision
+ddp --compress powersgd     DDP + ``powerSGD_hook`` (error feedback, warm   N       same initial Q fed to both sides
+                            start, start_iter 2)
+zero1                       DDP + ``ZeroRedundancyOptimizer``               N       the ddp rows' all-reduce options
+                                                                                    too: one AllReduce on both sides
+zero2                       FSDP2 ``fully_shard(reshard_after_forward=      N       per block + root
+                            False)``
+zero3                       FSDP2 ``fully_shard(reshard_after_forward=      N
+                            True)``
+hsdp --mesh-shape R,S       FSDP2 on a 2-D DeviceMesh (replicate, shard)    R*S
+dp                          ``nn.DataParallel`` with >= N GPUs; else DDP    1 / N   DataParallel's math is DDP's:
+                            on N ranks                                              per-chunk BN, chunk 0's running
+                                                                                    stats, averaged gradients
+async --staleness 0         DDP                                             N       k > 0 has no torch twin (refused)
+==========================  ==============================================  ======  =================================
+
+Jax- and torch-free at import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+from parity_tests.config import ParityConfig
+
+# The strategy options a pair may set: the same names on both sides (StrategyOptions). A pair
+# takes those its jaxdp constructor (``options_of``) and its twin (``STRATEGY_OPTIONS``) both
+# take; any other must stay at its default. ``powersgd_start_iter`` rides with ``--compress powersgd``.
+PAIR_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape")
+# How jaxdp sums (gloo and nccl pick their own algorithm) and async's bound: the torch twin has
+# no such knob, so any value a pair accepts runs against the same twin.
+JAX_ONLY_OPTIONS = ("allreduce", "staleness")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One row of the strategy -> torch twin table, built by ``pair_for`` from the strategy's facts.
+
+    ``twin``: the torch twin in words. ``torch``: torch_ref strategy name, or a function
+    ``(cfg, cuda_gpus) -> name`` when the twin depends on the hardware. ``options``: the
+    ``PAIR_OPTIONS`` this pair accepts; others must stay at their defaults. ``check``: refuses
+    configurations with no twin (returns an error).
+    """
+
+    twin: str
+    torch: Any
+    options: Tuple[str, ...] = ()
+    check: Optional[Callable[["ParityConfig"], Optional[str]]] = None
+    note: str = ""
+
+
+# The strategies paired: all of jaxdp.strategies.STRATEGIES (test_parity checks), named here
+# because this module must not import jax. ``pair_for`` reads a pair's facts when a run needs them.
+PAIRS = ("ddp", "zero1", "zero2", "zero3", "hsdp", "dp", "async")
+
+DP_NOTE = ("without N GPUs nn.DataParallel cannot split the batch, so the twin is DDP, whose math is "
+           "DataParallel's: per-chunk BN statistics, chunk/rank 0's running stats, gradients averaged over chunks")
+
+
+def pair_for(name: str) -> Pair:
+    """``name``'s row: its twin from its facts (``jaxdp.strategies.facts``); the options both its
+    jaxdp constructor (``options_of``) and its torch_ref twin (``STRATEGY_OPTIONS``) take."""
+    from jaxdp.strategies import facts, options_of
+    from torch_ref.strategies import STRATEGY_OPTIONS
+
+    f = facts(name)
+    jax_takes, torch_takes = options_of(name), STRATEGY_OPTIONS[f.torch_twin]
+    options = tuple(n for n in PAIR_OPTIONS if n in jax_takes and (n in JAX_ONLY_OPTIONS or n in torch_takes))
+    if name == "dp":  # nn.DataParallel splits the batch over GPUs: without them, DDP
+        return Pair(f"{f.twin} (>= N GPUs), else DDP on N ranks: the same math", _dp_torch, options, note=DP_NOTE)
+    return Pair(f.twin, f.torch_twin, options, _twin_check(name, f.twin_when, f.twin) if f.twin_when else None)
+
+
+def _twin_check(name: str, twin_when: Mapping[str, Any], twin: str):
+    """Refuses the options under which ``name`` has no twin (its ``facts.twin_when``)."""
+    def check(cfg: ParityConfig) -> Optional[str]:
+        for option in PAIR_OPTIONS:
+            if option in twin_when and getattr(cfg, option) != twin_when[option]:
+                return f"{name} with {option} {getattr(cfg, option)} has no PyTorch twin; its twin: {twin}"
+        return None
+    return check
+
+
+def _dp_torch(cfg: ParityConfig, cuda_gpus: int) -> str:
+    return "dp" if cuda_gpus >= max(cfg.devices, 2) else "ddp"
