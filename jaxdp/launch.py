@@ -8,7 +8,7 @@ Each process it starts gets, torchrun-style:
 
 - ``JAXDP_COORDINATOR`` (host:port of process 0's coordination service),
   ``JAXDP_NUM_PROCESSES``, ``JAXDP_PROCESS_ID``, ``JAXDP_LOCAL_RANK`` (read by
-  ``jaxdp train``, see ``jaxdp.mesh.distributed_env``);
+  ``jaxdp train``, see ``jaxdp.distributed``);
 - ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT``: the same numbers under torchrun's names, so
   ``jaxdp launch ... -- python -m torch_ref.train`` works as under torchrun;
@@ -72,7 +72,7 @@ def plan(nprocs: Optional[int] = None, num_processes: Optional[int] = None, proc
     if local < 1:
         raise LaunchError(f"--nprocs must be >= 1, got {local}")
     if coordinator is None and "SLURM_PROCID" in env and "SLURM_NTASKS" in env and num_processes is None:
-        from jaxdp.mesh import ENV_COORDINATOR_PORT, first_host
+        from jaxdp.distributed import ENV_COORDINATOR_PORT, first_host
 
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
         port = env.get(ENV_COORDINATOR_PORT) or str(61440 + int(env.get("SLURM_JOB_ID", "0")) % 4096)

@@ -204,6 +204,8 @@ def earlier_run(out):
     (out / "metrics.jsonl").write_text('{"kind": "train", "step": 7, "loss": 1.0}\n')
     (out / "config.json").write_text("{}")
     (out / "sample_ids.p3.jsonl").write_text("{}\n")
+    os.makedirs(out / "tensorboard")
+    (out / "tensorboard" / "events.out.tfevents.old").write_text("old")
     (out / "notes.txt").write_text("mine")
 
 
@@ -221,7 +223,8 @@ def test_a_fresh_run_refuses_an_out_with_checkpoints_unless_told_to_overwrite(tm
     assert main(["train", *SMOKE, "--out", str(out), "--overwrite"]) == 0
     assert checkpoint_steps(out) == [4]
     assert [r["step"] for r in read_records(out)] == [1, 2, 3, 4]
-    assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "notes.txt"]
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "notes.txt", "tensorboard"]
+    assert "events.out.tfevents.old" not in os.listdir(out / "tensorboard")
     assert (out / "notes.txt").read_text() == "mine"
 
 
