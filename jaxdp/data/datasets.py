@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DATASETS = ("synthetic", "cifar10")
+DATASETS = ("synthetic", "cifar10", "digits")
 
 # Where `load_dataset("cifar10")` looks when no data_dir is given.
 DATA_DIR_ENV = "JAXDP_DATA_DIR"
@@ -33,6 +33,7 @@ class ArrayDataset:
     images: np.ndarray
     labels: np.ndarray
     name: str
+    hflip: bool = True  # whether training augmentation may mirror an image (not for digits)
 
     def __post_init__(self):
         if self.images.dtype != np.uint8 or self.images.ndim != 4:
@@ -67,6 +68,7 @@ def load_dataset(
     extracted `cifar-10-batches-py/` folder, the `.tar.gz`, or a directory
     holding either. `download=True` fetches the archive when it is absent.
     synthetic: `synthetic_size=(num_train, num_test)` and `seed`; no files.
+    digits: scikit-learn's 1,797 real 8x8 handwritten digits (in its wheel: offline).
     """
     if name == "synthetic":
         from .synthetic import make_synthetic
@@ -77,6 +79,10 @@ def load_dataset(
         from . import cifar10
 
         return cifar10.load_cifar10(data_dir or default_data_dir(), download=download)
+    if name == "digits":
+        from .digits import load_digits
+
+        return load_digits()
     raise DatasetError(
         f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}"
     )
