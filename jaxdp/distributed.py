@@ -36,6 +36,7 @@ ENV_LOCAL_RANK = "JAXDP_LOCAL_RANK"  # this process's index on its host
 ENV_COORDINATOR_PORT = "JAXDP_COORDINATOR_PORT"  # a detected cluster: overrides the port JAX derives
 
 INIT_TIMEOUT_EXIT_CODE = 3  # a process that gave up waiting for the others
+ENV_ONLY_CLUSTERS = ("slurm", "ompi")  # detected from variables alone (others query a server)
 
 
 class DistributedEnv:
@@ -91,8 +92,12 @@ def _detected_cluster(env: Mapping[str, str]) -> Optional[DistributedEnv]:
             return DistributedEnv(coordinator, count, cluster.get_process_id(), local or 0, cluster.name)
         except MeshError:
             raise
-        except Exception as e:  # a half-configured cluster: say which, in one line
-            raise MeshError(f"{cluster.name} job detected but incomplete: {type(e).__name__}: {e}") from None
+        except Exception as e:
+            if cluster.name in ENV_ONLY_CLUSTERS:  # its variables are set but wrong: say which, in one line
+                raise MeshError(f"{cluster.name} job detected but incomplete: {type(e).__name__}: {e}") from None
+            # Kubernetes and Cloud TPU ask an API server: any pod has KUBERNETES_SERVICE_HOST, and
+            # one that is not a JobSet member is a single process, not an error.
+            continue
     return None
 
 

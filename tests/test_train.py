@@ -34,10 +34,13 @@ def read_records(out, kind="train"):
         return [r for r in map(json.loads, f) if r["kind"] == kind]
 
 
+TIMING = ("images_per_sec", "time_to_first_step_s", "mfu")  # measured, so they differ run to run
+
+
 def math_records(out):
     """Every record of metrics.jsonl without its timing."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k != "images_per_sec"} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
 
 
 def checkpoint_steps(out):
