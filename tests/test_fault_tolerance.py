@@ -196,8 +196,8 @@ def test_elastic_data_semantics_with_a_ragged_tail(n, before, after):
 def test_sigterm_to_one_process_checkpoints_the_same_step_in_every_process(tmp_path, tmp_path_factory):
     """A scheduler preempts one host of a 2-process job (SIGTERM to process 1 only): JAX's
     preemption sync point makes both stop after the same step, both checkpoint it together,
-    each says so, and the launcher exits 143 (not a failure that kills the survivor); the
-    job resumes from that step and feeds every sample of the epoch once."""
+    each says so, and the launcher exits 143 (not a failure that kills the survivor). (Resuming
+    such a checkpoint is what the SIGKILL test above does, at ~30 s a job.)"""
     out = str(tmp_path / "run")
     env = job_env(JAX_COMPILATION_CACHE_DIR=shared_2x2_cache(tmp_path_factory))
     command = jaxdp("train", *ARGS, "--synthetic-size", "1024,32", "--out", out)  # 32 steps
@@ -222,8 +222,3 @@ def test_sigterm_to_one_process_checkpoints_the_same_step_in_every_process(tmp_p
     for p in (0, 1):  # both processes stopped after the same step
         assert [r["step"] for r in sample_records(out) if r["file"] == f"sample_ids.p{p}.jsonl"][-1] == step
 
-    code, output = run_job(["--nprocs", "2", "--devices-per-proc", "2"], command + ["--resume"],
-                           timeout=240, env=env)
-    assert code == 0, output[-5000:]
-    assert [r["step"] for r in records(out)] == list(range(1, 33))
-    np.testing.assert_array_equal(epoch_ids(out, 0), np.arange(1024))
