@@ -6,7 +6,8 @@ Trains a narrow ResNet-18 (width 4, one block per stage) on the synthetic
 CIFAR-shaped set over 4 simulated CPU devices (4 workers), once per k, with the
 ordinary trainer (``--strategy async --staleness k``), and plots the training
 loss per server update, raw and smoothed, into ``--png`` (default
-``<out>/async_staleness.png``; the README's figure is ``docs/async_staleness.png``).
+``<out>/async_staleness.png``; docs/strategies.md's figure is
+``docs/async_staleness.png``).
 k = 0 is DDP; with k > 0 each worker's gradient was computed on params 0 to k
 updates old, drawn per worker and update by the seeded schedule documented in
 ``jaxdp/strategies/async_ps.py``.

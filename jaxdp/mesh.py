@@ -13,6 +13,12 @@ import numpy as np
 
 DATA_AXIS = "data"
 REPLICA_AXIS = "replica"
+STAGE_AXIS = "stage"  # pipeline stages (jaxdp.parallel.pipeline)
+MODEL_AXIS = "model"  # tensor parallelism (jaxdp.parallel.tensor)
+# The named axes in mesh order, outermost first. ``model`` is innermost: its devices are
+# consecutive, so a model-parallel group stays on one host (its all-reduces run every layer,
+# on the fast links); data parallelism, which communicates once per step, spans the hosts.
+AXES = (REPLICA_AXIS, DATA_AXIS, STAGE_AXIS, MODEL_AXIS)
 
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
@@ -30,13 +36,15 @@ def simulate_cpu_devices(n: int) -> None:
 
 def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] = None,
               axis_names: Sequence[str] = (DATA_AXIS,), *, data: Optional[int] = None,
-              replica: Optional[int] = None):
+              replica: Optional[int] = None, stage: Optional[int] = None, model: Optional[int] = None):
     """A mesh over the first ``num_devices`` devices (all by default).
 
-    Named sizes are the short form: ``make_mesh(data=4)``, or ``make_mesh(replica=2, data=4)``
-    for HSDP's (replica, data) mesh.
+    Named sizes are the short form: ``make_mesh(data=4)``; ``make_mesh(replica=2, data=4)``
+    for HSDP's (replica, data) mesh; ``make_mesh(data=2, model=2)`` for data x tensor
+    parallelism, ``make_mesh(data=2, stage=2)`` for data x pipeline stages. The axes come
+    in the order of ``AXES`` whatever the keyword order, and only the named ones exist.
 
-    ``shape``/``axis_names`` give a 2-D mesh, e.g. ``(2, 4), ("replica", "data")`` for HSDP.
+    ``shape``/``axis_names`` give any other mesh, e.g. ``(2, 4), ("replica", "data")``.
     Devices are ordered process by process, so each process's devices form one
     contiguous block of ranks (its rows of every batch). A multi-process mesh
     spans every device of every process: a process without devices in the mesh
@@ -45,12 +53,11 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
     import jax
     from jax.sharding import Mesh
 
-    if data is not None or replica is not None:
+    named = {REPLICA_AXIS: replica, DATA_AXIS: data, STAGE_AXIS: stage, MODEL_AXIS: model}
+    if any(v is not None for v in named.values()):
         if shape is not None or num_devices is not None:
-            raise MeshError("give either named axis sizes (data=, replica=) or num_devices/shape")
-        if data is None or min(data, replica or 1) < 1:
-            raise MeshError(f"axis sizes must be positive, got data={data} replica={replica}")
-        shape, axis_names = ((replica, data), (REPLICA_AXIS, DATA_AXIS)) if replica else ((data,), (DATA_AXIS,))
+            raise MeshError("give either named axis sizes (data=, replica=, stage=, model=) or num_devices/shape")
+        shape, axis_names = named_shape(**named)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = num_devices or (int(np.prod(shape)) if shape else len(devices))
     if n > len(devices):
@@ -68,6 +75,43 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
     if len(shape) != len(axis_names):
         raise MeshError(f"mesh shape {shape} needs {len(shape)} axis names, got {tuple(axis_names)}")
     return Mesh(np.array(devices[:n]).reshape(shape), tuple(axis_names))
+
+
+def named_shape(**sizes: Optional[int]):
+    """(shape, axis names) in ``AXES`` order for the named sizes that are not None; a data
+    axis (size 1) is added when none is named, so every strategy finds one."""
+    unknown = set(sizes) - set(AXES)
+    if unknown:
+        raise MeshError(f"unknown mesh axis {', '.join(sorted(unknown))}; the axes are {', '.join(AXES)}")
+    for name, size in sizes.items():
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise MeshError(f"mesh axis {name} must be a positive integer, got {size!r}")
+    if sizes.get(DATA_AXIS) is None:
+        sizes = {**sizes, DATA_AXIS: 1}
+    names = tuple(a for a in AXES if sizes.get(a) is not None)
+    return tuple(sizes[a] for a in names), names
+
+
+def parse_mesh(text: str) -> dict:
+    """``"data=2,stage=2,model=2"`` -> ``{"data": 2, "stage": 2, "model": 2}`` (``--mesh``)."""
+    sizes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or not value.strip().isdigit():
+            raise MeshError(f"--mesh takes axis=size pairs like data=2,model=2, got {part!r}")
+        if name in sizes:
+            raise MeshError(f"--mesh names {name} twice")
+        sizes[name] = int(value)
+    if not sizes:
+        raise MeshError("--mesh is empty: give axis=size pairs like data=2,model=2")
+    named_shape(**sizes)  # the same checks as make_mesh
+    return sizes
+
+
+def axis_size(mesh, axis: str) -> int:
+    """``mesh``'s size along ``axis``, 1 when it has no such axis."""
+    return int(mesh.shape[axis]) if axis in mesh.axis_names else 1
 
 
 def process_ranks(mesh, axes=DATA_AXIS) -> List[int]:

@@ -38,16 +38,17 @@ class PatchEmbed(nn.Module):
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.heads = heads  # this rank's heads: tensor parallelism lowers it (torch_ref/tensor_parallel.py)
+        self.head_dim = dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each (B, heads, N, head_dim)
         x = F.scaled_dot_product_attention(q, k, v)  # softmax(q k^T / sqrt(head_dim)) v
-        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+        return self.proj(x.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 
 class Mlp(nn.Module):

@@ -65,6 +65,7 @@ FACTS = dataclasses.replace(ddp.FACTS, name="async", twin_when={"staleness": 0},
 
 class AsyncPS(Strategy):
     facts = FACTS
+    model_parallel = False  # the whole model on every device
 
     def __init__(self, model, task, tx, mesh, *, staleness: int = 0, staleness_seed: int = 0, bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, **kwargs):

@@ -25,8 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp import task as tasks
 from jaxdp.mesh import DATA_AXIS, shard_batch
+from jaxdp.parallel import tensor
 from jaxdp.state import TrainState
 from jaxdp.strategies import layout
+from jaxdp.strategies.placement import Placement
 from jaxdp.strategies.buckets import insertion_order_paths
 from jaxdp.strategies.factsheet import Facts
 
@@ -119,6 +121,7 @@ class Strategy:
     """Base class. Subclasses set their ``facts`` (``factsheet.py``) and write ``local_step``."""
 
     facts = Facts("base")  # name, twin, what is sharded, traffic
+    model_parallel = True  # runs beside a model axis (tensor parallelism); dp and async do not
     batch_axes: Any = DATA_AXIS  # mesh axes the batch is split over
     sync = None  # the gradient all-reduce (sync.AllReduce) of strategies that have one: it owns ``extra``
 
@@ -136,11 +139,20 @@ class Strategy:
         return "params" in self.facts.sharded
 
     @property
+    def local_shapes(self):
+        """The params' shapes as one device of the model axis holds them (``shapes`` without one)."""
+        if self.tp is None:
+            return self.shapes
+        place = self.placement
+        return place.tree(lambda path, s: jax.ShapeDtypeStruct(place.local_shape(path, s.shape), s.dtype),
+                          self.shapes, "params")
+
+    @property
     def sharded_opt_state(self) -> bool:  # ZeRO-1/2/3: per-parameter optimizer tensors live as chunks
         return "opt" in self.facts.sharded
 
     def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
-                 axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0):
+                 axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0, tp_plan=None):
         if accum_steps < 1:
             raise StrategyError(f"accum_steps must be >= 1, got {accum_steps}")
         if axis not in mesh.axis_names:
@@ -155,19 +167,35 @@ class Strategy:
         self.seed = seed
         # Parity checks compare the averaged gradients too; off in training (it costs memory).
         self.return_grads = return_grads
-        self.model = _with_bn_axis(model, self.batch_axes if sync_bn else None)
+        _check_model_parallel_axes(self, mesh)
+        # Tensor parallelism over the mesh's model axis, when it has one (jaxdp.parallel.tensor).
+        try:
+            self.tp = tensor.for_mesh(model, mesh, tp_plan)
+        except tensor.TensorParallelError as e:
+            raise StrategyError(str(e)) from None
+        self.placement = Placement(self.tp, self.shards, axis)
+        self.init_model = _with_bn_axis(model, None)  # model.init runs outside shard_map: no axes
         if sync_bn and not hasattr(model, "bn_axis_name"):
             raise StrategyError("sync_bn needs a model whose BatchNorm takes its reduction axes as `bn_axis_name`")
-        self.task = task.with_model(self.model) if sync_bn else task
-        self.eval_task = task.with_model(_with_bn_axis(model, None)) if sync_bn else task
+        self.model = self._in_mesh(_with_bn_axis(model, self.batch_axes if sync_bn else None))
+        rebind = sync_bn or self.tp is not None
+        try:
+            self.task = task.with_model(self.model) if rebind else task
+            self.eval_task = task.with_model(self._in_mesh(self.init_model)) if rebind else task
+        except ValueError as e:
+            raise StrategyError(str(e)) from None
         self.shapes = None  # the full params' shapes, known once a state is built
         self.param_order = None  # the params' definition order (torch's model.parameters())
         self._jit_step = None
         self._jit_eval = None
 
+    def _in_mesh(self, model):
+        """The model as it runs inside ``shard_map``: tensor-parallel over ``model`` if the mesh says so."""
+        return model if self.tp is None else model.clone(model_axis=self.tp.axis)
+
     # -- learning the model's structure (abstractly: nothing is computed) -----------------------
     def init_fn(self, rng, batch):
-        return self.model.init(rng, *self.task.model_inputs(batch), **self.task.init_kwargs)
+        return self.init_model.init(rng, *self.task.model_inputs(batch), **self.task.init_kwargs)
 
     def learn_structure(self, batch) -> None:
         """Read what the strategy needs from the model once, from a (local or global) batch's shapes."""
@@ -181,19 +209,24 @@ class Strategy:
             return variables
 
         self.param_order = order
-        self._learn_units(init, _abstract(batch))
+        variables = self._learn_units(init, _abstract(batch))
+        if self.tp is not None:
+            try:
+                self.tp.check(variables)
+            except tensor.TensorParallelError as e:
+                raise StrategyError(str(e)) from None
 
-    def _learn_units(self, init, batch) -> None:
-        jax.eval_shape(init, batch)
+    def _learn_units(self, init, batch):
+        return jax.eval_shape(init, batch)
 
     # -- placement ---------------------------------------------------------------------------
     def state_specs(self, state: TrainState):
         """PartitionSpec tree for the state, from the class facts and the strategy's own ``extra``."""
-        n, axis = self.shards, self.axis
-        shard = lambda tree, on: layout.tree_specs(tree, n, axis) if on else jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
+        place, canonical = self.placement, self.shapes
         return TrainState(
-            step=P(), params=shard(state.params, self.sharded_params), model_state=shard(state.model_state, False),
-            opt_state=shard(state.opt_state, self.sharded_opt_state),
+            step=P(), params=place.specs(state.params, "params", self.sharded_params, canonical),
+            model_state=place.variables_specs(state.model_state, False),
+            opt_state=place.opt_specs(self.tx, state.opt_state, canonical, self.sharded_opt_state),
             extra=_full_specs(self.extra_specs(state.extra), state.extra))
 
     def extra_specs(self, extra):
@@ -227,32 +260,33 @@ class Strategy:
         reads their compiled sizes)."""
         self.learn_structure(example_batch)
         batch = _abstract(example_batch)
-        padded, n = self.sharded_params, self.shards
+        place, padded = self.placement, self.sharded_params
 
         def make(rng):
             variables = dict(self.init_fn(rng, _zeros(batch)))
             params = variables.pop("params")
             self.shapes = layout.shapes_of(params)
-            return (_pad_tree(params, n) if padded else params), variables
+            return place.tree(lambda path, x: place.to_state(path, x, padded), params, "params"), variables
 
         shapes = jax.eval_shape(make, jax.random.key(0))
         key = _init_key(self, batch)
         init_params = _INIT_PROGRAMS.get(key) if key is not None else None
         if init_params is None:
-            init_params = jax.jit(make, out_shardings=(self._leaf_shardings(shapes[0], padded),
-                                                       NamedSharding(self.mesh, P())))
+            init_params = jax.jit(make, out_shardings=(
+                self._shardings(place.specs(shapes[0], "params", padded, self.shapes)),
+                self._shardings(place.variables_specs(shapes[1], False))))
             if key is not None:
                 _INIT_PROGRAMS[key] = init_params
         # ZeRO-1/2 keep full params but give the optimizer padded chunks.
         pad_for_opt = self.sharded_opt_state and not padded
-        opt_init = (lambda p: self.tx.init(_pad_tree(p, n))) if pad_for_opt else self.tx.init
-        init_opt = jax.jit(opt_init, out_shardings=self._leaf_shardings(
-            jax.eval_shape(opt_init, shapes[0]), self.sharded_opt_state))
+        opt_init = (lambda p: self.tx.init(place.tree(place.pad, p, "params"))) if pad_for_opt else self.tx.init
+        init_opt = jax.jit(opt_init, out_shardings=self._shardings(place.opt_specs(
+            self.tx, jax.eval_shape(opt_init, shapes[0]), self.shapes, self.sharded_opt_state)))
         return init_params, init_opt
 
-    def _leaf_shardings(self, tree, sharded: bool):
-        return jax.tree_util.tree_map(
-            lambda s: NamedSharding(self.mesh, layout.spec(s.shape, self.shards, self.axis) if sharded else P()), tree)
+    def _shardings(self, specs):
+        return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                                      is_leaf=lambda x: isinstance(x, P))
 
     # -- canonical form (parity, tests) ---------------------------------------------------------
     def canonical(self, state: TrainState) -> TrainState:
@@ -281,29 +315,40 @@ class Strategy:
                                               model_state=variables, opt_state=self.tx.init(params)))
 
     def _padder(self):
-        n = self.shards
+        """Canonical state -> this strategy's: model slices in device order, ZeRO's chunks padded."""
+        place, canonical = self.placement, self.shapes
 
         def convert(s):
             return _copy(s).replace(
-                params=_pad_tree(s.params, n) if self.sharded_params else _copy(s.params),
-                opt_state=_pad_tree(s.opt_state, n) if self.sharded_opt_state else _copy(s.opt_state))
+                params=_copy(place.tree(lambda path, x: place.to_state(path, x, self.sharded_params), s.params,
+                                        "params")),
+                opt_state=_copy(place.opt_map(self.tx, lambda path, x, _: place.to_state(
+                    path, x, self.sharded_opt_state), s.opt_state, canonical)))
         return convert
 
     def _unpadder(self):
-        full_opt = jax.tree_util.tree_leaves(jax.eval_shape(self.tx.init, self.shapes))
+        """This strategy's state -> canonical."""
+        place, canonical = self.placement, self.shapes
 
         def convert(s):
-            opt, treedef = jax.tree_util.tree_flatten(s.opt_state)
             return _copy(s).replace(
-                params=jax.tree_util.tree_map(lambda x, f: layout.unpad(x, f.shape), s.params, self.shapes),
-                opt_state=jax.tree_util.tree_unflatten(treedef, [layout.unpad(x, f.shape) for x, f in zip(opt, full_opt)]))
+                params=place.tree(lambda path, x, c: place.from_state(path, x, c.shape, self.sharded_params),
+                                  s.params, "params", canonical),
+                opt_state=place.opt_map(self.tx, lambda path, x, c: place.from_state(
+                    path, x, c.shape, self.sharded_opt_state), s.opt_state, canonical))
         return convert
+
+    def canonical_grads(self, grads):
+        """The ``return_grads`` gradients (this strategy's full per-model-slice layout) in canonical order."""
+        if self.tp is None:
+            return grads
+        return self.placement.tree(self.tp.from_state, grads, "params")
 
     def _converted(self, kind: str, make_convert, state, out_shardings):
         """``make_convert()(state)`` under one jit per (kind, state structure and shapes), placed by
         ``out_shardings(abstract output)``. Cached: parity reads the canonical state every step,
         and a fresh closure would recompile each time."""
-        if not (self.sharded_params or self.sharded_opt_state) and kind in ("canonical", "from_canonical"):
+        if not (self.sharded_params or self.sharded_opt_state or self.tp) and kind in ("canonical", "from_canonical"):
             # Nothing to pad or cut (DDP, async): a copy placed as asked, no program to compile.
             # (device_put copies itself; an eager jnp.copy of mesh-sharded leaves first aborted
             # XLA:CPU once under a loaded 2-worker run.)
@@ -385,9 +430,13 @@ class Strategy:
             return params, variables
         params, model_state = jax.eval_shape(make, jax.random.key(0))
         self.shapes = layout.shapes_of(params)
-        if self.sharded_params:
-            params = layout.padded_shapes(params, self.shards)
-        opt_src = layout.padded_shapes(params, self.shards) if self.sharded_opt_state else params
+        place = self.placement
+
+        def padded(tree, zero):
+            return place.tree(lambda path, s: jax.ShapeDtypeStruct(place.state_shape(path, s.shape, zero), s.dtype),
+                              tree, "params")
+        params = padded(self.shapes, self.sharded_params)
+        opt_src = padded(self.shapes, self.sharded_opt_state)
         state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, model_state=model_state,
                            opt_state=jax.eval_shape(self.tx.init, opt_src),
                            extra=jax.eval_shape(lambda: self.init_extra(self.shapes)))
@@ -421,9 +470,21 @@ class Strategy:
         if self._jit_step is None:
             specs = self.state_specs(state)
             self._jit_step = jax.jit(
-                self._shard_mapped(self.local_step, state, P(self.batch_axes), (specs, P()), self.check_vma),
+                self._shard_mapped(self._local_step_whole_grads, state, P(self.batch_axes), (specs, P()),
+                                   self.check_vma),
                 donate_argnums=0)
         return self._jit_step
+
+    def _local_step_whole_grads(self, state, batch):
+        """``local_step``; under tensor parallelism the returned (parity) gradients are gathered
+        over the model axis, so that every device holds them whole, in the state's order."""
+        new_state, metrics = self.local_step(state, batch)
+        if self.tp is not None and "grads" in metrics:
+            def whole(path, g):
+                d = self.tp.dim(path, np.shape(g))
+                return g if d is None else jax.lax.all_gather(g, self.tp.axis, axis=d, tiled=True, to="invarying")
+            metrics = {**metrics, "grads": self.placement.tree(whole, metrics["grads"], "params")}
+        return new_state, metrics
 
     check_vma = True
 
@@ -444,6 +505,29 @@ class Strategy:
                 return jax.lax.psum(self.local_eval(state, batch), self.batch_axes)
             self._jit_eval = jax.jit(self._shard_mapped(summed, state, P(self.batch_axes), P()))
         return self._jit_eval(state, batch)
+
+
+def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
+    """Options whose collectives cannot run beside a model axis."""
+    if strategy.tp is None:
+        return
+    if allreduce == "ring":
+        # The ring is traced with check_vma=False, and without the varying/invariant types JAX
+        # would not insert tensor parallelism's backward all-reduces.
+        raise StrategyError("allreduce='ring' does not combine with a model axis (tensor parallelism); use psum")
+    if compress == "powersgd":
+        raise StrategyError("compress='powersgd' does not combine with a model axis (tensor parallelism) yet")
+
+
+def _check_model_parallel_axes(strategy, mesh) -> None:
+    from jaxdp.mesh import MODEL_AXIS, STAGE_AXIS, axis_size
+
+    if axis_size(mesh, STAGE_AXIS) > 1:
+        raise StrategyError(f"{strategy.name}: pipeline stages (mesh stage={axis_size(mesh, STAGE_AXIS)}) are not "
+                            "supported yet; use data and model axes")
+    if axis_size(mesh, MODEL_AXIS) > 1 and not strategy.model_parallel:
+        raise StrategyError(f"{strategy.name} runs over the data axis only, but the mesh has "
+                            f"model={axis_size(mesh, MODEL_AXIS)}: use ddp, zero1, zero2 or zero3 with a model axis")
 
 
 def _full_specs(specs, tree):
@@ -470,10 +554,6 @@ def _init_key(strategy, batch):
     except TypeError:
         return None
     return key
-
-
-def _pad_tree(tree, n):
-    return jax.tree_util.tree_map(lambda x: layout.pad(x, n), tree)
 
 
 def _copy(tree):

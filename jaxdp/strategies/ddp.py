@@ -20,7 +20,7 @@ momentum, 8 for Adam). Traffic: all-reduce Ψ = 2Ψ·(N-1)/N per device.
 import jax
 import optax
 
-from jaxdp.strategies.base import Strategy, ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.base import Strategy, ddp_buffers, local_grads, refuse_with_tensor_parallel, train_metrics
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
 
@@ -34,6 +34,7 @@ class DDP(Strategy):
     def __init__(self, model, task, tx, mesh, *, bucket_cap_mb=None, allreduce: str = "psum", compress=None,
                  powersgd_rank: int = 1, powersgd_options=None, **kwargs):
         super().__init__(model, task, tx, mesh, **kwargs)
+        refuse_with_tensor_parallel(self, allreduce, compress)
         self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
         # A ring sum comes out of ppermutes, which JAX types as "varying" although every

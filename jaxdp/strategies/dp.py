@@ -84,6 +84,7 @@ FACTS = Facts("dp", twin="nn.DataParallel", torch_twin="dp",
 
 class DataParallel(Strategy):
     facts = FACTS
+    model_parallel = False  # the whole model on every device
 
     def __init__(self, model, task, tx, mesh, **kwargs):
         super().__init__(model, task, tx, mesh, **kwargs)

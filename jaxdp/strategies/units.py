@@ -23,7 +23,7 @@ running model's rng stream (``make_rng``), so its draws differ from a plain
 
 import contextlib
 import fnmatch
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -58,9 +58,10 @@ class Units:
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
 
-def unit_paths(units: Units, init_fn: Callable, *args) -> List[Path]:
+def unit_paths(units: Units, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
     """The module paths of the outermost unit instances, found by tracing ``init_fn(*args)``
-    abstractly (nothing is computed)."""
+    abstractly (nothing is computed). ``with_shapes``: a list that receives ``init_fn``'s
+    abstract output, so a caller that needs it too traces once."""
     found, depth = [], [0]
 
     def record(next_fun, a, kw, ctx):
@@ -74,7 +75,9 @@ def unit_paths(units: Units, init_fn: Callable, *args) -> List[Path]:
             depth[0] -= is_unit
 
     with nn.intercept_methods(record):
-        jax.eval_shape(init_fn, *args)
+        shapes = jax.eval_shape(init_fn, *args)
+    if with_shapes is not None:
+        with_shapes.append(shapes)
     unique = list(dict.fromkeys(found))  # a unit called twice (shared weights) is one unit
     if units and not unique:
         raise UnitError(f"no module matches the FSDP units {units.classes + units.patterns}")

@@ -46,7 +46,8 @@ from jax.sharding import Mesh
 
 from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
-from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.base import (Strategy, StrategyError, ddp_buffers, local_grads, refuse_with_tensor_parallel,
+                                   train_metrics)
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
@@ -110,6 +111,7 @@ class ZeRO(Strategy):
         elif mesh_shape is not None:
             raise StrategyError("mesh_shape is hsdp's (replicas, shards)")
         super().__init__(model, task, tx, mesh, **kwargs)
+        refuse_with_tensor_parallel(self, allreduce, compress)
         self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
         self.check_vma = allreduce != "ring"
@@ -126,7 +128,9 @@ class ZeRO(Strategy):
         self.unit_paths = []
         if not self.units:
             return super()._learn_units(init, batch)
-        self.unit_paths = unit_paths(self.units, init, batch)  # traces init once: the order too
+        shapes = []
+        self.unit_paths = unit_paths(self.units, init, batch, with_shapes=shapes)  # traces init once: the order too
+        return shapes[0]
 
     # -- per device -----------------------------------------------------------------------------
     def local_step(self, state, batch):
@@ -170,7 +174,7 @@ class ZeRO(Strategy):
     # -- collectives ------------------------------------------------------------------------------
     def gathering_loss(self, loss_fn):
         """``loss_fn`` on param chunks: the root unit gathered up front, every unit on use (``units.py``)."""
-        axis, n, shapes = self.axis, self.shards, self.shapes
+        axis, n, shapes = self.axis, self.shards, self.local_shapes  # one model slice of each param
 
         def gather_tree(chunks, full):
             return jax.tree_util.tree_map(lambda c, s: layout.gather(c, s.shape, axis, n), chunks, full)
@@ -203,7 +207,7 @@ class ZeRO(Strategy):
 
     def gather(self, chunks, per_tensor: bool = False):
         """Full tensors from every device's chunks: one all-gather per DDP-sized bucket (or per tensor)."""
-        shapes = [s.shape for s in jax.tree_util.tree_leaves(self.shapes)]
+        shapes = [s.shape for s in jax.tree_util.tree_leaves(self.local_shapes)]
         groups = [[i] for i in range(len(shapes))] if per_tensor else self.bucket_groups()
         leaves, treedef = jax.tree_util.tree_flatten(chunks)
         out = [None] * len(leaves)
@@ -222,12 +226,21 @@ class ZeRO(Strategy):
 
     def bucket_groups(self):
         """DDP's buckets (reverse definition order, torch's sizes) as groups of leaf indices."""
-        paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.shapes)]
-        leaves = jax.tree_util.tree_leaves(self.shapes)
+        local = self.local_shapes
+        paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(local)]
+        leaves = jax.tree_util.tree_leaves(local)
         index = {p: i for i, p in enumerate(paths)}
-        ids = [index[p] for p in reduction_order(self.shapes, self.param_order)]
+        ids = [index[p] for p in reduction_order(local, self.param_order)]
         sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in ids]
-        return [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, self.sync.limits)]
+        groups = [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, self.sync.limits)]
+        if self.tp is None:
+            return groups
+        # A bucket moves as one concatenated array, and an array that mixes model slices with
+        # replicated tensors is typed as varying over the model axis as a whole: so the split
+        # and the replicated members of each bucket travel in separate collectives.
+        split = [self.tp.dim("/".join(map(str, ("params",) + paths[i])), leaves[i].shape) is not None
+                 for i in range(len(leaves))]
+        return [part for g in groups for part in ([i for i in g if split[i]], [i for i in g if not split[i]]) if part]
 
 
 def default_hsdp_shape(devices) -> tuple:

@@ -9,12 +9,14 @@ the last bits, which float64 parity would see.
 """
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxdp.models.resnet import linear_bias_init, linear_kernel_init
+from jaxdp.models.vit.parallel import TP_PLAN  # noqa: F401 - found beside the model by jaxdp.parallel.tensor
+from jaxdp.parallel.tensor import model_axis_size, summed_over
 
 # timm and torchvision ViTs use 1e-6 (torch's nn.LayerNorm default is 1e-5); the
 # torch twin passes the same value.
@@ -36,16 +38,34 @@ def _accumulate(dtype):
 
 
 class _Layers(nn.Module):
-    """Dense and LayerNorm factories shared by every part, so they init and compute alike."""
+    """Dense and LayerNorm factories shared by every part, so they init and compute alike.
+
+    ``model_axis``: run tensor-parallel over that mesh axis (inside ``shard_map``; see
+    ``parallel.py`` beside this file): attention heads and MLP features are split, each
+    device holding its slice of every split layer, and a row-parallel layer's output is
+    summed over the axis. None (the default, and always at init): the whole model.
+    """
 
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    model_axis: Optional[str] = None
 
-    def dense(self, features, fan_in, name):
+    def dense(self, features, fan_in, name, row_parallel: bool = False):
+        summed = row_parallel and self.model_axis is not None
         return nn.Dense(
             features, kernel_init=linear_kernel_init, bias_init=linear_bias_init(fan_in),
             dtype=self.dtype, param_dtype=self.param_dtype, name=name,
+            dot_general=summed_over(self.model_axis) if summed else None,
         )
+
+    @property
+    def split(self) -> int:
+        """How many ways this layer's heads / hidden features are split (1: not split)."""
+        return model_axis_size(self.model_axis)
+
+    @property
+    def common(self):
+        return dict(dtype=self.dtype, param_dtype=self.param_dtype, model_axis=self.model_axis)
 
     def norm(self, name):
         return nn.LayerNorm(
@@ -68,13 +88,14 @@ class Attention(_Layers):
     def __call__(self, x):
         b, n, _ = x.shape
         head_dim = self.dim // self.heads
-        qkv = self.dense(3 * self.dim, self.dim, "qkv")(x).reshape(b, n, 3, self.heads, head_dim)
+        heads = self.heads // self.split  # this device's heads (all of them unless split)
+        qkv = self.dense(3 * heads * head_dim, self.dim, "qkv")(x).reshape(b, n, 3, heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         acc = _accumulate(self.dtype)
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=acc)
         weights = nn.softmax(logits * (1.0 / math.sqrt(head_dim)), axis=-1).astype(self.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, n, self.dim)
-        return self.dense(self.dim, self.dim, "proj")(out)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, n, heads * head_dim)
+        return self.dense(self.dim, self.dim, "proj", row_parallel=True)(out)
 
 
 class Mlp(_Layers):
@@ -85,8 +106,8 @@ class Mlp(_Layers):
 
     @nn.compact
     def __call__(self, x):
-        x = nn.gelu(self.dense(self.mlp_dim, self.dim, "fc1")(x), approximate=False)
-        return self.dense(self.dim, self.mlp_dim, "fc2")(x)
+        x = nn.gelu(self.dense(self.mlp_dim // self.split, self.dim, "fc1")(x), approximate=False)
+        return self.dense(self.dim, self.mlp_dim, "fc2", row_parallel=True)(x)
 
 
 class EncoderBlock(_Layers):
@@ -102,9 +123,8 @@ class EncoderBlock(_Layers):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        common = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + Attention(dim=self.dim, heads=self.heads, name="attn", **common)(self.norm("norm1")(x))
-        return x + Mlp(dim=self.dim, mlp_dim=self.mlp_dim, name="mlp", **common)(self.norm("norm2")(x))
+        x = x + Attention(dim=self.dim, heads=self.heads, name="attn", **self.common)(self.norm("norm1")(x))
+        return x + Mlp(dim=self.dim, mlp_dim=self.mlp_dim, name="mlp", **self.common)(self.norm("norm2")(x))
 
 
 class Blocks(nn.Module):
@@ -116,13 +136,14 @@ class Blocks(nn.Module):
     mlp_dim: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    model_axis: Optional[str] = None
 
     @nn.compact
     def __call__(self, x, train):
         for i in range(self.depth):
             x = EncoderBlock(
                 dim=self.dim, heads=self.heads, mlp_dim=self.mlp_dim, dtype=self.dtype,
-                param_dtype=self.param_dtype, name=str(i),
+                param_dtype=self.param_dtype, model_axis=self.model_axis, name=str(i),
             )(x, train)
         return x
 
@@ -157,6 +178,13 @@ class ViT(_Layers):
     heads: int = 3
     mlp_dim: int = 768
 
+    def check_model_split(self, size: int):
+        """Why this ViT cannot run tensor-parallel over ``size`` devices, or None if it can."""
+        if self.heads % size or self.mlp_dim % size:
+            return (f"a ViT with {self.heads} heads and MLP width {self.mlp_dim} cannot be split over model={size}: "
+                    "both must divide by it")
+        return None
+
     @nn.compact
     def __call__(self, x, train: bool = True):
         # Position embeddings are sized by the config, not by whatever image arrives.
@@ -171,7 +199,7 @@ class ViT(_Layers):
         cls = jnp.broadcast_to(cls.astype(self.dtype), (x.shape[0], 1, self.dim))
         x = jnp.concatenate([cls, x], axis=1) + pos.astype(self.dtype)
         x = Blocks(depth=self.depth, dim=self.dim, heads=self.heads, mlp_dim=self.mlp_dim,
-                   name="blocks", **common)(x, train)
+                   name="blocks", **self.common)(x, train)
         x = self.norm("norm")(x)[:, 0]
         x = self.dense(self.num_classes, self.dim, "head")(x)
         # Logits leave the model in at least float32 so the loss is never bf16.

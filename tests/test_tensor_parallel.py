@@ -1,0 +1,148 @@
+"""Tensor parallelism on the ``model`` axis composed with the data-parallel strategies.
+
+Every layout must train exactly as the same model on one device (float64): the losses,
+the averaged gradients, the params and the optimizer state after each step. And the
+Megatron collectives must be the ones the design promises, counted in the compiled step.
+"""
+
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import max_rel_error
+from jaxdp.mesh import make_mesh
+from jaxdp.models.vit import EncoderBlock, ViT
+from jaxdp.parallel.tensor import Column, TensorParallel
+from jaxdp.strategies import StrategyError, create_strategy
+from jaxdp.task import classifier
+
+DEPTH = 2
+SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=DEPTH, heads=4, mlp_dim=32)
+OPTIONS = {"ddp": {}, "zero1": {}, "zero2": {}, "zero3": {"units": (EncoderBlock,)}}
+
+
+def vit(dtype=jnp.float64):
+    return ViT(**SMALL_VIT, dtype=dtype, param_dtype=dtype)
+
+
+def batches(n, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"image": rng.normal(size=(n, 16, 16, 3)), "label": rng.integers(0, 10, n).astype(np.int32)}
+            for _ in range(steps)]
+
+
+def train(name, mesh, variables, data, **options):
+    """Every step's (loss, canonical grads) and the final canonical state."""
+    model = vit()
+    tx = optax.sgd(0.1, momentum=0.9)
+    strategy = create_strategy(name, model, classifier(model), tx, mesh, return_grads=True, **options)
+    state = strategy.init_state(variables)
+    history = []
+    for batch in data:
+        state, metrics = strategy.step(state, strategy.shard_batch(batch))
+        history.append((float(metrics["loss"]), jax.device_get(strategy.canonical_grads(metrics["grads"]))))
+    return history, jax.device_get(strategy.canonical(state))
+
+
+@pytest.fixture(scope="module")
+def variables():
+    with jax.enable_x64(True):  # module fixtures are built before conftest's per-test x64 switch
+        return vit().init(jax.random.key(1), jnp.zeros((1, 16, 16, 3), jnp.float64), train=False)
+
+
+@pytest.fixture(scope="module")
+def one_device(variables):
+    """The reference: the whole model, the whole batch, one device."""
+    with jax.enable_x64(True):
+        return {n: train("ddp", make_mesh(data=1), variables, batches(n)) for n in (8, 12)}
+
+
+@pytest.mark.float64
+@pytest.mark.parametrize("name,data", [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("zero3", 3),
+                                       ("zero2", 3)])
+def test_data_x_model_trains_as_one_device(name, data, variables, one_device):
+    """data=3 pads: each model slice (8 features) is cut 3 ways, so ZeRO pads every slice on its own."""
+    n = 4 * data
+    history, state = train(name, make_mesh(data=data, model=2), variables, batches(n), **OPTIONS[name])
+    ref_history, ref_state = one_device[n]
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(history, ref_history)):
+        assert abs(loss - ref_loss) <= 1e-13 * abs(ref_loss), (step, loss, ref_loss)
+        assert max_rel_error(grads, ref_grads) < 1e-12, step
+    assert max_rel_error(state.params, ref_state.params) < 1e-12
+    assert max_rel_error(state.opt_state, ref_state.opt_state) < 1e-12
+
+
+def model_axis_collectives(name, mesh):
+    """{(op, "model"|"data"): count} in the compiled float32 step on a data x model mesh."""
+    model = vit(jnp.float32)
+    strategy = create_strategy(name, model, classifier(model), optax.sgd(0.1), mesh, **OPTIONS[name])
+    batch = batches(8, steps=1)[0]
+    batch = {"image": batch["image"].astype(np.float32), "label": batch["label"]}
+    state = strategy.init(jax.random.key(0), batch)
+    hlo = strategy.lower_step(state, strategy.shard_batch(batch)).compile().as_text()
+    model_groups = "{" + ",".join("{" + ",".join(str(d.id) for d in row) + "}" for row in mesh.devices) + "}"
+    counts = Counter()
+    for line in hlo.splitlines():
+        op = re.search(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)
+        if op:
+            groups = re.search(r"replica_groups=(\{\{[\d,{}]*\}\})", line)
+            counts[(op.group(1), "model" if groups and groups.group(1) == model_groups else "data")] += 1
+    return counts
+
+
+def test_megatron_layers_all_reduce_once_forward_and_once_backward():
+    """Per encoder block: attention's proj and the MLP's fc2 each sum their partial outputs
+    in forward; in backward, the gradients of qkv's and fc1's replicated inputs are summed.
+    4 per block, nothing else moves over ``model``."""
+    mesh = make_mesh(data=2, model=2)
+    counts = model_axis_collectives("ddp", mesh)
+    assert counts[("all-reduce", "model")] == 4 * DEPTH, counts
+    assert {k for k in counts if k[1] == "model"} == {("all-reduce", "model")}, counts
+
+
+def test_grouped_column_layout_gives_each_device_its_own_heads():
+    """qkv's output features are [q | k | v]; device j must hold q, k and v of its heads only."""
+    tp = TensorParallel({"params/qkv": Column(groups=3)}, size=2)
+    dim = 8  # 4 heads of 2: device 0 owns heads 0-1 (features 0-3), device 1 heads 2-3
+    canonical = np.arange(3 * dim)[None, :].repeat(2, 0)  # (in=2, out=3*dim), value = feature index
+    state = np.asarray(tp.to_state("params/qkv", jnp.asarray(canonical)))
+    device0, device1 = state[0, :3 * dim // 2], state[0, 3 * dim // 2:]
+    assert device0.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
+    assert device1.tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+    np.testing.assert_array_equal(np.asarray(tp.from_state("params/qkv", jnp.asarray(state))), canonical)
+
+
+@pytest.mark.parametrize("name", ["dp", "async"])
+def test_strategies_without_model_parallelism_refuse_a_model_axis(name):
+    model = vit(jnp.float32)
+    with pytest.raises(StrategyError, match=f"^{name} runs over the data axis only, but the mesh has model=2"):
+        create_strategy(name, model, classifier(model), optax.sgd(0.1), make_mesh(data=2, model=2))
+
+
+def test_a_model_that_does_not_split_is_one_clear_error():
+    model = ViT(**{**SMALL_VIT, "heads": 3, "dim": 12})  # 3 heads over 2 devices
+    with pytest.raises(StrategyError, match=r"^a ViT with 3 heads and MLP width 32 cannot be split over model=2"):
+        create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=1, model=2))
+
+
+@pytest.mark.parametrize("plan,message", [
+    ({"params/head/kernel": Column()}, r"^params/head/kernel has 5 features along dim 1, which do not split 2 ways"),
+    ({"params/nothing/*": Column()}, r"^tensor-parallel rules match no variable: params/nothing/\*$"),
+])
+def test_a_plan_that_does_not_fit_the_variables_is_one_clear_error(plan, message):
+    model = ViT(**{**SMALL_VIT, "num_classes": 5})
+    strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=1, model=2),
+                               tp_plan=plan)
+    with pytest.raises(StrategyError, match=message):
+        strategy.init(jax.random.key(0), batches(2, steps=1)[0])
+
+
+def test_ring_all_reduce_is_refused_beside_a_model_axis():
+    model = vit(jnp.float32)
+    with pytest.raises(StrategyError, match="allreduce='ring' does not combine with a model axis"):
+        create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=2, model=2), allreduce="ring")
