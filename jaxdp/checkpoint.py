@@ -239,7 +239,7 @@ class Checkpointer:
     def _verify_once(self, step: int) -> bool:
         """``verify`` on process 0 only (one read of the files, not one per process); every
         process gets its verdict, so all of them resume from the same step."""
-        from jaxdp.mesh import share_from_first
+        from jaxdp.distributed import share_from_first
 
         verdict = ""
         if jax.process_index() == 0:

@@ -16,6 +16,14 @@ from jaxdp.flags import PARSER_OPTIONS
 from jaxdp.flags import comma_ints as _ints
 
 
+def _step_range(text: str):
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (steps A to B-1), got {text!r}") from None
+    return start, stop
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     from jaxdp import choices
     from jaxdp.config import TrainConfig
@@ -56,6 +64,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training set")
+    g.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="updates in all, overriding --epochs (the lr schedule spans them; default: --epochs)")
     g.add_argument("--optimizer", default=d.optimizer, metavar=choices.listing(choices.OPTIMIZERS), help="torch.optim's semantics")
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     g.add_argument("--momentum", type=float, default=d.momentum, help="sgd momentum")
@@ -77,7 +87,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds an earlier run: delete its checkpoints and metrics")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps (0 = each epoch)")
+    g.add_argument("--keep", type=int, default=d.keep, help="newest checkpoints to keep")
+    g.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="also evaluate every N steps (0 = only at the end of each epoch, which always evaluates)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                   help="no TensorBoard scalars in OUT/tensorboard (metrics.jsonl has the same numbers)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -114,6 +129,15 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="seconds before the processes give up on a peer that stopped answering")
     g.add_argument("--log-sample-ids", action="store_true",
                    help="write each step's dataset ids to OUT/sample_ids.p<process>.jsonl")
+    g = p.add_argument_group("performance")
+    g.add_argument("--profile-steps", type=_step_range, default=d.profile_steps, metavar="A:B",
+                   help="write a jax.profiler trace of steps A..B-1 to OUT/tensorboard (TensorBoard's profile tab)")
+    g.add_argument("--peak-flops", type=float, default=d.peak_flops,
+                   help="peak FLOP/s per device, for MFU in the train records (default: known GPUs' bf16 peak "
+                        "with --dtype bfloat16, else MFU is n/a)")
+    g.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not use JAX's persistent compilation cache (default: $JAX_COMPILATION_CACHE_DIR, else "
+                        "$JAXDP_CACHE_DIR or ~/.cache/jaxdp)")
     g = p.add_argument_group("config file")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="options from a .toml, .json or .yaml file (keys: the flags' names, e.g. "
@@ -251,10 +275,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from jaxdp.train import Preempted, interrupted_message
+        from jaxdp.interrupts import exit_status, interrupted_message
 
         print(f"jaxdp: {interrupted_message(e)}", file=sys.stderr)
-        return 128 + 15 if isinstance(e, Preempted) else 130  # as the signal's default action would
+        return exit_status(e)
 
 
 def _simulate_devices(args: argparse.Namespace) -> None:
@@ -262,7 +286,8 @@ def _simulate_devices(args: argparse.Namespace) -> None:
     and when XLA_FLAGS already fixes the count)."""
     devices = getattr(args, "devices", None)
     if devices:
-        from jaxdp.mesh import distributed_env, simulate_cpu_devices
+        from jaxdp.distributed import distributed_env
+        from jaxdp.mesh import simulate_cpu_devices
 
         job = distributed_env() if args.command == "train" else None  # --devices is the job's total
         simulate_cpu_devices(devices // job.num_processes if job and devices % job.num_processes == 0

@@ -34,6 +34,7 @@ class TrainConfig(StrategyOptions):
     global_batch_size: int = 128
     # optimisation
     epochs: int = 1
+    max_steps: Optional[int] = None  # updates in all; overrides epochs (the schedule spans them)
     optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.9
@@ -49,9 +50,16 @@ class TrainConfig(StrategyOptions):
     resume: bool = False
     overwrite: bool = False  # a fresh run may delete an earlier run's checkpoints and metrics in out
     checkpoint_every: int = 0  # steps; 0 = once per epoch
+    keep: int = 3  # newest checkpoints kept
+    eval_every: int = 0  # steps; 0 = at the end of each epoch only (it always evaluates there)
     progress: bool = True
     log_sample_ids: bool = False  # write each step's dataset ids to sample_ids.p<process>.jsonl
-    # multi-process jobs (jaxdp launch, srun): see jaxdp.mesh.initialize_distributed
+    tensorboard: bool = True  # scalars in OUT/tensorboard beside metrics.jsonl (needs tensorboardX)
+    # performance
+    profile_steps: Optional[Tuple[int, int]] = None  # (A, B): a jax.profiler trace of steps A..B-1
+    peak_flops: Optional[float] = None  # per device, FLOP/s, for MFU (default: jaxdp.perf.PEAK_FLOPS)
+    compile_cache: bool = True  # JAX's persistent compilation cache (see jaxdp.perf.enable_compile_cache)
+    # multi-process jobs (jaxdp launch, srun): see jaxdp.distributed
     init_timeout: int = 300  # seconds for every process to join
     heartbeat_timeout: int = 100  # seconds before the survivors give up on a silent peer
 
@@ -67,7 +75,8 @@ class TrainConfig(StrategyOptions):
         """
         ignored = {"out", "resume", "overwrite", "progress", "devices", "checkpoint_every", "data_dir", "download",
                    "strategy", "mesh_shape", "bucket_cap_mb", "log_sample_ids", "init_timeout",
-                   "heartbeat_timeout"}
+                   "heartbeat_timeout", "keep", "eval_every", "tensorboard", "profile_steps", "peak_flops",
+                   "compile_cache"}
         return {k: v for k, v in json.loads(self.to_json()).items() if k not in ignored}
 
     def schedule_options(self, steps_per_epoch: int) -> dict:
@@ -91,6 +100,16 @@ def check_config(cfg: TrainConfig) -> None:
         _at_least("--devices", cfg.devices, 1, hint=" (omit it to use every device)")
     _at_least("--epochs", cfg.epochs, 1)
     _at_least("--checkpoint-every", cfg.checkpoint_every, 0, hint=" (0 = once per epoch)")
+    _at_least("--eval-every", cfg.eval_every, 0, hint=" (0 = at the end of each epoch)")
+    _at_least("--keep", cfg.keep, 1)
+    if cfg.max_steps is not None:
+        _at_least("--max-steps", cfg.max_steps, 1, hint=" (omit it to train --epochs)")
+    if cfg.profile_steps is not None and not (len(cfg.profile_steps) == 2 and 1 <= cfg.profile_steps[0]
+                                              < cfg.profile_steps[1]):
+        raise TrainError(f"--profile-steps takes A:B with 1 <= A < B (steps A to B-1 are traced), got "
+                         f"{':'.join(map(str, cfg.profile_steps))}")
+    if cfg.peak_flops is not None and not cfg.peak_flops > 0:
+        raise TrainError(f"--peak-flops must be a positive FLOP/s per device, got {cfg.peak_flops}")
     if len(cfg.synthetic_size) != 2 or min(cfg.synthetic_size) < 1:
         raise TrainError(f"--synthetic-size takes two positive counts TRAIN,TEST (e.g. 10000,2000), "
                          f"got {','.join(map(str, cfg.synthetic_size))}")
@@ -128,3 +147,43 @@ def _check_powersgd_flags(cfg: TrainConfig) -> None:
     for name in ("powersgd_rank", "powersgd_start_iter"):
         if getattr(cfg, name) != getattr(defaults, name) and cfg.compress != "powersgd":
             raise TrainError(f"--{name.replace('_', '-')} applies to --compress powersgd only")
+
+
+# ----------------------------------------------------------------------------- checks that need the device count
+# (both trainers; no jax, no torch)
+
+def per_device_batch(cfg: TrainConfig, devices: int) -> int:
+    if cfg.global_batch_size % (devices * cfg.accum_steps):
+        raise TrainError(
+            f"global batch {cfg.global_batch_size} is not divisible by devices x accumulation steps"
+            f" = {devices} x {cfg.accum_steps}; pick a multiple of {devices * cfg.accum_steps}"
+        )
+    return cfg.global_batch_size // devices
+
+
+def epoch_length(num_samples: int, devices: int, per_device: int) -> int:
+    """Steps per epoch; a training set smaller than one global batch is an error."""
+    from jaxdp.data.loader import steps_per_epoch
+
+    try:
+        return steps_per_epoch(num_samples, devices, per_device)
+    except ValueError as e:
+        raise TrainError(str(e)) from None  # names the sizes and what to lower
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """Updates in the whole run: ``--max-steps``, else ``--epochs`` whole epochs."""
+    return cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+
+
+def end_position(cfg: TrainConfig, steps_per_epoch: int) -> Tuple[int, int]:
+    """(epoch, steps of it done) when the run is over."""
+    epoch, step = divmod(total_steps(cfg, steps_per_epoch), steps_per_epoch)
+    return (epoch - 1, steps_per_epoch) if step == 0 else (epoch, step)
+
+
+def batchnorm_batch_error(cfg: TrainConfig, devices: int, reason) -> TrainError:
+    """The one-line error for a micro-batch too small for BatchNorm (both trainers)."""
+    where = "per device" + (" and micro-batch" if cfg.accum_steps > 1 else "")
+    return TrainError(f"1 image {where} is too few for --stem {cfg.stem}: {reason}; pass "
+                      f"--global-batch-size {2 * devices * cfg.accum_steps} or more")

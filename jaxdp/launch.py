@@ -8,7 +8,7 @@ Each process it starts gets, torchrun-style:
 
 - ``JAXDP_COORDINATOR`` (host:port of process 0's coordination service),
   ``JAXDP_NUM_PROCESSES``, ``JAXDP_PROCESS_ID``, ``JAXDP_LOCAL_RANK`` (read by
-  ``jaxdp train``, see ``jaxdp.mesh.distributed_env``);
+  ``jaxdp train``, see ``jaxdp.distributed``);
 - ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT``: the same numbers under torchrun's names, so
   ``jaxdp launch ... -- python -m torch_ref.train`` works as under torchrun;
@@ -28,7 +28,10 @@ is killed, it names it, stops the others (SIGTERM, then SIGKILL after
 ``--grace-period`` seconds, default 1: a JAX process only notes SIGTERM for its
 preemption manager, and a job with a dead member cannot save or step anyway) and
 exits non-zero: 128 + signal for a killed process,
-else the process's own exit code. Nobody is left waiting in a collective. Each
+else the process's own exit code. Nobody is left waiting in a collective. A process
+that exits 143 (``jaxdp train`` preempted: the job agreed on a step and every process
+checkpoints it) is not a failure: the others get ``SIGNAL_GRACE_S`` to do the same, and
+the launcher exits 143. Each
 process also dies with the launcher (``PR_SET_PDEATHSIG``) if the launcher itself
 is killed. Ctrl-C (SIGINT) and SIGTERM are passed on to every process (a second
 Ctrl-C kills them; so does the launcher 30 s after the first).
@@ -46,6 +49,7 @@ from typing import Dict, List, Optional, Sequence
 
 POLL_S = 0.05
 SIGNAL_GRACE_S = 30.0  # after Ctrl-C, time for the processes to finish a checkpoint and exit
+PREEMPTED_EXIT = 128 + signal.SIGTERM  # jaxdp train after a preemption (SIGTERM) checkpointed its step
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -72,7 +76,7 @@ def plan(nprocs: Optional[int] = None, num_processes: Optional[int] = None, proc
     if local < 1:
         raise LaunchError(f"--nprocs must be >= 1, got {local}")
     if coordinator is None and "SLURM_PROCID" in env and "SLURM_NTASKS" in env and num_processes is None:
-        from jaxdp.mesh import ENV_COORDINATOR_PORT, first_host
+        from jaxdp.distributed import ENV_COORDINATOR_PORT, first_host
 
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
         port = env.get(ENV_COORDINATOR_PORT) or str(61440 + int(env.get("SLURM_JOB_ID", "0")) % 4096)
@@ -174,7 +178,13 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
                 pid = None
             if pid is not None:
                 del running[pid]
-                if code != 0 and not stop_signal:
+                if code == PREEMPTED_EXIT and not stop_signal:
+                    # A preempted jaxdp train: its peers agreed on the same step and are saving it
+                    # too (jaxdp.distributed), so they get time to finish instead of a SIGKILL.
+                    say(f"process {pid} (pid {procs[ids.index(pid)].pid}) was preempted and checkpointed; "
+                        f"waiting for the other {len(running)} process(es)")
+                    stop_signal.append((signal.SIGTERM, time.monotonic()))
+                elif code != 0 and not stop_signal:
                     say(f"process {pid} (pid {procs[ids.index(pid)].pid}) {describe(code)}; stopping the other "
                         f"{len(running)} process(es)")
                     _stop(running.values(), grace_period)

@@ -190,3 +190,35 @@ def test_elastic_data_semantics_with_a_ragged_tail(n, before, after):
     np.testing.assert_array_equal(fed, padded[:steps_per_epoch(n, after, g // after) * g])
     real = fed[:min(len(fed), n)]
     assert len(np.unique(real)) == len(real)  # repeats only in the padding past n
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_checkpoints_the_same_step_in_every_process(tmp_path, tmp_path_factory):
+    """A scheduler preempts one host of a 2-process job (SIGTERM to process 1 only): JAX's
+    preemption sync point makes both stop after the same step, both checkpoint it together,
+    each says so, and the launcher exits 143 (not a failure that kills the survivor). (Resuming
+    such a checkpoint is what the SIGKILL test above does, at ~30 s a job.)"""
+    out = str(tmp_path / "run")
+    env = job_env(JAX_COMPILATION_CACHE_DIR=shared_2x2_cache(tmp_path_factory))
+    command = jaxdp("train", *ARGS, "--synthetic-size", "1024,32", "--out", out)  # 32 steps
+    job = Job(["--nprocs", "2", "--devices-per-proc", "2"], command, env=env)
+    try:
+        pids = job.pids()
+        deadline = time.monotonic() + 240
+        while steps_logged(out) < 2:
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.output[-5000:]
+            time.sleep(0.01)
+        os.kill(pids[1], signal.SIGTERM)
+        code = job.wait(timeout=120)
+    finally:
+        if job.proc.poll() is None:
+            job.kill()
+    assert code == 143, job.output[-5000:]
+    saved = complete_steps(out)
+    assert len(saved) == 1 and 2 <= saved[0] < 32, (saved, job.output[-3000:])
+    step = saved[0]
+    assert job.output.count(f"jaxdp: preempted (SIGTERM); step {step} was checkpointed: add --resume") == 2
+    assert "waiting for the other 1 process(es)" in job.output and "failed" not in job.output
+    for p in (0, 1):  # both processes stopped after the same step
+        assert [r["step"] for r in sample_records(out) if r["file"] == f"sample_ids.p{p}.jsonl"][-1] == step
+

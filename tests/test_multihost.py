@@ -19,7 +19,8 @@ import pytest
 
 from jaxdp.config import TrainConfig
 from jaxdp.launch import LaunchError, child_env, plan
-from jaxdp.mesh import INIT_TIMEOUT_EXIT_CODE, MeshError, distributed_env, first_host
+from jaxdp.distributed import INIT_TIMEOUT_EXIT_CODE, distributed_env, first_host
+from jaxdp.mesh import MeshError
 from jaxdp.strategies import REGISTRY
 from jaxdp.train import train
 from launch_helpers import (TINY_ARGS, Job, alive, jaxdp, job_env, records, run_job, sample_records,
@@ -71,7 +72,7 @@ def test_a_failed_process_stops_the_others_promptly(tmp_path):
     assert not alive(pids[0])
 
 
-def test_multi_node_plan_and_slurm_variables():
+def test_multi_node_plan_and_slurm_variables(monkeypatch):
     assert plan(2)[1:] == (2, 0, 2)
     assert plan(2, coordinator="node0:1234", num_processes=8, process_id=4, environ={}) == ("node0:1234", 8, 4, 2)
     with pytest.raises(LaunchError, match="do not fit"):
@@ -84,11 +85,34 @@ def test_multi_node_plan_and_slurm_variables():
     assert plan(2, environ=slurm) == ("gpu007:61441", 8, 4, 2)
     env = child_env({}, "gpu007:61441", 8, 5, 1, 2, None)
     assert (env["JAXDP_PROCESS_ID"], env["RANK"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("5", "5", "1", "gpu007")
-    # srun jaxdp train: train reads SLURM's variables itself.
-    job = distributed_env(slurm)
+    # srun jaxdp train: JAX's own SLURM detection (jax._src.clusters) finds the job.
+    for k in [k for k in os.environ if k.startswith(("SLURM_", "JAXDP_", "JAX_COORDINATOR"))]:
+        monkeypatch.delenv(k)
+    assert distributed_env() is None  # no job: one process
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    job = distributed_env()
     assert (job.coordinator, job.num_processes, job.process_id, job.source) == ("gpu007:61441", 4, 2, "slurm")
-    assert distributed_env(dict(slurm, SLURM_NTASKS="1")) is None
-    assert distributed_env(dict(slurm, JAXDP_COORDINATOR_PORT="5000")).coordinator == "gpu007:5000"
+    monkeypatch.setenv("JAXDP_COORDINATOR_PORT", "5000")
+    assert distributed_env().coordinator == "gpu007:5000"
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed_env() is None  # a one-task srun: one process
+    # Any cluster JAX detects, e.g. Open MPI's mpirun (jaxdp had only its own SLURM parser).
+    for k in slurm:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("JAXDP_COORDINATOR_PORT")
+    for k, v in {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
+                 "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    job = distributed_env()
+    assert (job.coordinator, job.num_processes, job.process_id, job.local_rank, job.source) == (
+        f"10.96.0.1:{1531576320 // 4096 % 4096 + 61440}", 4, 3, 1, "ompi")
+    # jaxdp launch's variables override what the cluster says.
+    launched = {"JAXDP_COORDINATOR": "node9:1234", "JAXDP_NUM_PROCESSES": "8", "JAXDP_PROCESS_ID": "5"}
+    for k, v in launched.items():
+        monkeypatch.setenv(k, v)
+    job = distributed_env()
+    assert (job.coordinator, job.num_processes, job.process_id, job.source) == ("node9:1234", 8, 5, "jaxdp")
     assert first_host("node001,node002") == "node001" and first_host("a[1-3]") == "a1"
     with pytest.raises(MeshError, match="JAXDP_PROCESS_ID"):
         distributed_env({"JAXDP_COORDINATOR": "h:1", "JAXDP_NUM_PROCESSES": "2"})

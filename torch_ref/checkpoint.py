@@ -101,8 +101,8 @@ def latest(directory: str) -> Optional[str]:
     return found[-1][1] if found else None
 
 
-def save(directory: str, global_step: int, parallel, optimizer, scheduler, meta: dict) -> None:
-    """Gather (collective) and write on rank 0; keeps the newest ``KEEP`` checkpoints."""
+def save(directory: str, global_step: int, parallel, optimizer, scheduler, meta: dict, keep: int = KEEP) -> None:
+    """Gather (collective) and write on rank 0; keeps the newest ``keep`` checkpoints."""
     model_sd, optim_sd = full_state(parallel, optimizer)
     if tdist.rank() == 0:
         os.makedirs(directory, exist_ok=True)
@@ -111,7 +111,7 @@ def save(directory: str, global_step: int, parallel, optimizer, scheduler, meta:
         torch.save({"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
                     "meta": meta}, tmp)
         os.replace(tmp, path)
-        for _, old in checkpoints(directory)[:-KEEP]:
+        for _, old in checkpoints(directory)[:-keep]:
             os.remove(old)
     if dist.is_initialized():
         dist.barrier()  # nobody reads a checkpoint before it is complete

@@ -39,10 +39,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jaxdp.config import TrainConfig, TrainError, check_choice, check_config
+from jaxdp.config import (TrainConfig, TrainError, batchnorm_batch_error, check_choice, check_config, end_position,
+                          epoch_length, per_device_batch, total_steps)
+from jaxdp.interrupts import DeferredInterrupt, exit_status, interrupted_message
 from jaxdp.progress import Throughput, progress_bar, say
-from jaxdp.train import (DeferredInterrupt, TrainingAborted, batchnorm_batch_error, epoch_length,
-                         interrupted_message, per_device_batch, refuse_earlier_run, remove_run_files)
+from jaxdp.rundir import MetricsLog, check_fingerprint, refuse_earlier_run, remove_run_files, write_config
 from torch_ref import checkpoint as ckpt
 from torch_ref import dist as tdist
 from torch_ref.step_api import DTYPES, Runner, build, to_torch_batch
@@ -62,7 +63,7 @@ def runner_config(cfg: TrainConfig, steps_per_epoch: int) -> dict:
     out = dict(strategy=cfg.strategy, model=cfg.model, width=cfg.width, blocks=cfg.blocks,
                stem=cfg.stem, dtype=cfg.dtype, optimizer=cfg.optimizer, lr=cfg.lr,
                momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-               schedule=cfg.schedule, total_steps=steps_per_epoch * cfg.epochs,
+               schedule=cfg.schedule, total_steps=total_steps(cfg, steps_per_epoch),
                **cfg.schedule_options(steps_per_epoch),
                accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, seed=cfg.seed,
                bucket_cap_mb=cfg.bucket_cap_mb, compress=cfg.compress,
@@ -89,7 +90,7 @@ def data_layout(cfg: TrainConfig):
 
 
 def _setup(cfg: TrainConfig):
-    """As ``jaxdp.train._setup``: everything that can be refused is, before the dataset
+    """As ``jaxdp.train_setup.build``: everything that can be refused is, before the dataset
     loads and before anything is written."""
     from jaxdp.data import load_dataset
 
@@ -113,7 +114,7 @@ def _setup(cfg: TrainConfig):
 def _check_model(cfg: TrainConfig, replicas: int) -> None:
     """The model's options, and BatchNorm's need for more than one value per channel,
     checked on the meta device (shapes only). Only a micro-batch of one image can fall
-    short (see ``jaxdp.train._check_batchnorm_batch``); torch would raise at the first step."""
+    short (see ``jaxdp.train_setup._check_batchnorm_batch``); torch would raise at the first step."""
     from torch_ref.models import resnet
 
     with torch.device("meta"):
@@ -169,48 +170,12 @@ def evaluate(runner: Runner, test_set, replicas: int, rows, per_device: int) -> 
             "count": int(totals[2])}
 
 
-class MetricsLog:
-    """metrics.jsonl, written by rank 0 only; the same records as jaxdp's.
-
-    On resume, records after the checkpoint's step are dropped first, so the file reads
-    like one uninterrupted run."""
-
-    def __init__(self, path: str, enabled: bool, keep_through_step: int):
-        self._file = None
-        if enabled:
-            kept = []
-            if keep_through_step and os.path.exists(path):
-                with open(path) as f:
-                    kept = [r for r in map(json.loads, filter(str.strip, f))
-                            if r.get("step", 0) <= keep_through_step]
-            self._file = open(path, "w")
-            for record in kept:
-                self.write(record)
-
-    def write(self, record: dict) -> None:
-        if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file:
-            self._file.close()
-
-
-def _check_fingerprint(saved: dict, current: dict, where: str) -> None:
-    saved = {**TrainConfig().fingerprint(), **saved}  # options added since it was written: their defaults
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
-             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
-    if diffs:
-        raise ckpt.CheckpointError(f"cannot resume from {where}: the config differs ({'; '.join(diffs)})")
-
-
 # ----------------------------------------------------------------------------- the loop
 
 def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
     """Train ``cfg`` in the current process group (world 1 if none is initialised);
     returns a summary. ``stop_after_steps`` simulates an interruption: checkpoint, return.
-    Ctrl-C in a world of one: as ``jaxdp.train.train``."""
+    Ctrl-C and SIGTERM in a world of one: as ``jaxdp.train.train`` (see ``jaxdp.interrupts``)."""
 
     from jaxdp.data import Prefetcher, epoch_batches
 
@@ -219,65 +184,80 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
     ckpt_dir = os.path.join(cfg.out, "checkpoints")
     earlier = ckpt.checkpoints(ckpt_dir)
     earlier_run = refuse_earlier_run(cfg, earlier[-1][0] if earlier else None)
-    runner, train_set, test_set, replicas, rows, per_device, steps_per_epoch = _setup(cfg)
-    is_main = tdist.rank() == 0
-    if earlier_run and is_main:  # --overwrite, and the new run is valid: only now delete the old one
-        remove_run_files(cfg.out)
-    os.makedirs(cfg.out, exist_ok=True)
-    fingerprint = dict(json.loads(json.dumps(cfg.fingerprint())), steps_per_epoch=steps_per_epoch)
-
-    start_epoch, start_step = 0, 0
-    latest = ckpt.latest(ckpt_dir) if cfg.resume else None
-    if latest is not None:
-        meta = ckpt.restore(latest, runner.parallel, runner.optimizer, runner.scheduler,
-                            check=lambda m: _check_fingerprint(m.get("fingerprint", {}), fingerprint, latest))
-        start_epoch, start_step = meta["epoch"], meta["step_in_epoch"]
-        runner.steps = meta["global_step"]
-    global_step = start_epoch * steps_per_epoch + start_step
-    if is_main:
-        with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            f.write(dataclasses.replace(cfg, devices=replicas).to_json())
-    log = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), is_main, global_step if cfg.resume else 0)
-    position = (start_epoch, start_step)  # (epoch, steps of it done) of the state in hand
-    saved = (global_step, position)  # what the newest checkpoint holds
-    unlogged = None  # (epoch, loss, correct, lr) of a step whose record is not written yet
-    throughput = Throughput(cfg.global_batch_size)
-
-    def save():
-        nonlocal saved
-        meta = {"epoch": position[0], "step_in_epoch": position[1], "global_step": global_step,
-                "fingerprint": fingerprint}
-        ckpt.save(ckpt_dir, global_step, runner.parallel, runner.optimizer, runner.scheduler, meta)
-        saved = (global_step, position)
-
-    def write_record(bar):
-        """The record of the step in hand (a collective: the loss is averaged over ranks)."""
-        nonlocal unlogged
-        epoch, loss, correct, lr = unlogged
-        loss_sum, correct_sum = tdist.all_reduce_sum([float(loss), float(correct)], runner.parallel.device)
-        ips = throughput.tick()
-        record = {"kind": "train", "epoch": epoch + 1, "step": global_step,
-                  "loss": float(loss_sum) / tdist.world_size(),
-                  "accuracy": float(correct_sum) / cfg.global_batch_size, "lr": lr, "images_per_sec": ips}
-        log.write(record)
-        unlogged = None
-        if bar is not None:
-            bar.set_postfix(loss=f"{record['loss']:.4f}", **({"img_s": f"{ips:,.0f}"} if ips else {}))
-            bar.update(1)
-
-    summary = {"steps": 0, "eval": None, "interrupted": False}
     # Under torchrun the ranks stop at different points, and a gathering save could wait forever.
-    interrupt = DeferredInterrupt("torch_ref", enabled=tdist.world_size() == 1)
-    t_start = time.perf_counter()
-    try:
-        with interrupt:
-            for epoch in range(start_epoch, cfg.epochs):
+    interrupt = DeferredInterrupt("torch_ref") if tdist.world_size() == 1 else _NoInterrupts()
+    with interrupt:
+        runner, train_set, test_set, replicas, rows, per_device, steps_per_epoch = _setup(cfg)
+        is_main = tdist.rank() == 0
+        if earlier_run and is_main:  # --overwrite, and the new run is valid: only now delete the old one
+            remove_run_files(cfg.out)
+        os.makedirs(cfg.out, exist_ok=True)
+        fingerprint = dict(json.loads(json.dumps(cfg.fingerprint())), steps_per_epoch=steps_per_epoch)
+
+        start_epoch, start_step = 0, 0
+        latest = ckpt.latest(ckpt_dir) if cfg.resume else None
+        if latest is not None:
+            meta = ckpt.restore(latest, runner.parallel, runner.optimizer, runner.scheduler,
+                                check=lambda m: check_fingerprint(m.get("fingerprint", {}), fingerprint, latest))
+            start_epoch, start_step = meta["epoch"], meta["step_in_epoch"]
+            runner.steps = meta["global_step"]
+        global_step = start_epoch * steps_per_epoch + start_step
+        if is_main:
+            write_config(cfg.out, dataclasses.replace(cfg, devices=replicas))
+        log = MetricsLog(cfg.out, is_main, global_step if cfg.resume else 0, tensorboard=cfg.tensorboard)
+        position = (start_epoch, start_step)  # (epoch, steps of it done) of the state in hand
+        saved = (global_step, position)  # what the newest checkpoint holds
+        unlogged = None  # (epoch, loss, correct, lr) of a step whose record is not written yet
+        throughput = Throughput(cfg.global_batch_size)
+        end_epoch, end_step = end_position(cfg, steps_per_epoch)
+
+        def save():
+            nonlocal saved
+            meta = {"epoch": position[0], "step_in_epoch": position[1], "global_step": global_step,
+                    "fingerprint": fingerprint}
+            ckpt.save(ckpt_dir, global_step, runner.parallel, runner.optimizer, runner.scheduler, meta, keep=cfg.keep)
+            saved = (global_step, position)
+
+        def write_record(bar):
+            """The record of the step in hand (a collective: the loss is averaged over ranks)."""
+            nonlocal unlogged
+            epoch, loss, correct, lr = unlogged
+            loss_sum, correct_sum = tdist.all_reduce_sum([float(loss), float(correct)], runner.parallel.device)
+            ips = throughput.tick()
+            record = log.train(global_step, epoch, float(loss_sum) / tdist.world_size(),
+                               float(correct_sum) / cfg.global_batch_size, lr, ips)
+            unlogged = None
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.4f}", **({"img_s": f"{ips:,.0f}"} if ips else {}))
+                bar.update(1)
+
+        def evaluate_now(epoch):
+            result = evaluate(runner, test_set, replicas, rows, per_device)
+            log.eval(global_step, epoch, result)
+            if is_main:
+                say(f"step {global_step} (epoch {epoch + 1}): eval loss {result['loss']:.4f} "
+                    f"accuracy {result['accuracy']:.4f}")
+            summary["eval"] = result
+
+        def stop_if_asked():
+            if interrupt.requested:
+                e = interrupt.exception()
+                e.checkpointed_step = global_step if saved[0] == global_step else None
+                raise e
+
+        summary = {"steps": 0, "eval": None, "interrupted": False}
+        t_start = time.perf_counter()
+        try:
+            stop_if_asked()  # a Ctrl-C while the model was built: nothing trained yet
+            for epoch in range(start_epoch, end_epoch + 1):
+                last = end_step if epoch == end_epoch else steps_per_epoch
                 first = start_step if epoch == start_epoch else 0
                 batches = Prefetcher(
                     epoch_batches(train_set, num_replicas=replicas, batch_per_replica=per_device,
                                   epoch=epoch, seed=cfg.seed, start_step=first, ranks=rows),
                     transform=lambda b: batch_to_torch(runner, b.images, b.labels))
-                bar = progress_bar(steps_per_epoch, first, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and is_main)
+                bar = progress_bar(steps_per_epoch, first, f"epoch {epoch + 1}/{end_epoch + 1}",
+                                   cfg.progress and is_main)
                 throughput.restart()  # the first interval holds the warm-up, or the last evaluation
                 for step_in_epoch, (x, y) in enumerate(batches, start=first):
                     loss, correct, lr = runner.forward_backward(x, y)
@@ -286,43 +266,54 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
                     position = (epoch, step_in_epoch + 1)
                     unlogged = (epoch, loss, correct, lr)
                     write_record(bar)
-                    if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0:
+                    epoch_done = step_in_epoch + 1 == last  # the epoch's own evaluation and save follow
+                    if cfg.eval_every and global_step % cfg.eval_every == 0 and not epoch_done:
+                        evaluate_now(epoch)
+                        throughput.restart()
+                    if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not epoch_done:
                         save()
                     stop_here = stop_after_steps is not None and global_step >= stop_after_steps
                     if stop_here or interrupt.requested:
                         bar.close()
                         batches.close()
                         save()
-                        if interrupt.requested:
-                            raise interrupt.exception()
+                        stop_if_asked()
                         summary.update(interrupted=True, steps=global_step)
                         return summary
+                    if epoch_done:
+                        break
                 bar.close()
                 batches.close()
-                result = evaluate(runner, test_set, replicas, rows, per_device)
-                log.write({"kind": "eval", "epoch": epoch + 1, "step": global_step, **result})
-                if is_main:
-                    say(f"epoch {epoch + 1}: eval loss {result['loss']:.4f} accuracy {result['accuracy']:.4f}")
-                summary["eval"] = result
-                position = (epoch + 1, 0)
+                evaluate_now(epoch)
+                position = (epoch + 1, 0) if last == steps_per_epoch else (epoch, last)
                 save()
-                if interrupt.requested:
-                    raise interrupt.exception()
-    except KeyboardInterrupt as e:
-        # One process: the state in hand is consistent, keep it (not after a second Ctrl-C,
-        # which may have landed inside a step).
-        if tdist.world_size() == 1 and not isinstance(e, TrainingAborted):
-            if unlogged is not None:
-                write_record(None)
-            if saved != (global_step, position):
-                save()
-            e.checkpointed_step = global_step
-        summary["interrupted"] = True
-        raise
-    finally:
-        log.close()
+                stop_if_asked()
+        except KeyboardInterrupt as e:
+            # One process: the state in hand is consistent, keep it.
+            if tdist.world_size() == 1 and getattr(e, "checkpointed_step", None) is None:
+                if unlogged is not None:
+                    write_record(None)
+                if saved != (global_step, position):
+                    save()
+                e.checkpointed_step = global_step
+            summary["interrupted"] = True
+            raise
+        finally:
+            log.close()
     summary.update(steps=global_step, seconds=time.perf_counter() - t_start, runner=runner)
     return summary
+
+
+class _NoInterrupts:
+    """Several ranks: signals keep their default actions (torchrun stops the job)."""
+
+    requested = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 # ----------------------------------------------------------------------------- command line
@@ -376,7 +367,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as e:
         if is_main:
             print(f"torch_ref: {interrupted_message(e)}", file=sys.stderr)
-        return 130
+        return exit_status(e)
     finally:
         tdist.shutdown()
     if is_main:

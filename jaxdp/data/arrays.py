@@ -26,6 +26,7 @@ class ArrayDataset:
     images: np.ndarray
     labels: np.ndarray
     name: str
+    hflip: bool = True  # whether training augmentation may mirror an image (not for digits)
 
     def __post_init__(self):
         if self.images.dtype != np.uint8 or self.images.ndim != 4:

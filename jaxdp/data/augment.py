@@ -46,8 +46,9 @@ def augment_params(indices: np.ndarray, seed: int, epoch: int):
     return dy.astype(np.intp), dx.astype(np.intp), flip
 
 
-def augment(images: np.ndarray, indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    """Random crop from the zero-padded image, then random horizontal flip.
+def augment(images: np.ndarray, indices: np.ndarray, seed: int, epoch: int, hflip: bool = True) -> np.ndarray:
+    """Random crop from the zero-padded image, then random horizontal flip (unless
+    ``hflip`` is False: a mirrored digit is not the same digit).
 
     images: uint8 (..., H, W, C); indices: dataset ids, shape images.shape[:-3].
     One fancy-indexing gather does crop and flip for the whole batch.
@@ -59,6 +60,7 @@ def augment(images: np.ndarray, indices: np.ndarray, seed: int, epoch: int) -> n
     h, w, c = images.shape[-3:]
     flat = images.reshape(-1, h, w, c)
     dy, dx, flip = augment_params(indices.reshape(-1), seed, epoch)
+    flip &= hflip
     padded = np.pad(flat, ((0, 0), (PAD, PAD), (PAD, PAD), (0, 0)))
     rows = dy[:, None] + np.arange(h)
     # A flipped crop reads the padded columns right to left.

@@ -11,7 +11,7 @@ import os
 
 from .arrays import ArrayDataset, DatasetError
 
-DATASETS = ("synthetic", "cifar10")
+DATASETS = ("synthetic", "cifar10", "digits")
 
 # Where `load_dataset("cifar10")` looks when no data_dir is given.
 DATA_DIR_ENV = "JAXDP_DATA_DIR"
@@ -35,6 +35,7 @@ def load_dataset(
     extracted `cifar-10-batches-py/` folder, the `.tar.gz`, or a directory
     holding either. `download=True` fetches the archive when it is absent.
     synthetic: `synthetic_size=(num_train, num_test)` and `seed`; no files.
+    digits: scikit-learn's 1,797 real 8x8 handwritten digits (in its wheel: offline).
     """
     if name == "synthetic":
         from .synthetic import make_synthetic
@@ -45,6 +46,10 @@ def load_dataset(
         from . import cifar10
 
         return cifar10.load_cifar10(data_dir or default_data_dir(), download=download)
+    if name == "digits":
+        from .digits import load_digits
+
+        return load_digits()
     raise DatasetError(
         f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}"
     )

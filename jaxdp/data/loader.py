@@ -88,7 +88,7 @@ def _epoch_iter(dataset, rows, b, steps, train, seed, epoch) -> Iterator[Batch]:
         idx = rows[:, s * b:(s + 1) * b]
         images = dataset.images[idx]
         if train:
-            images = augment(images, idx, seed, epoch)
+            images = augment(images, idx, seed, epoch, hflip=dataset.hflip)
         yield Batch(images=normalize(images), labels=dataset.labels[idx].astype(np.int32),
                     indices=idx)
 
