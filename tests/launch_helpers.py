@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
 TINY_ARGS = ["--width", "4", "--blocks", "1,1,1,1", "--no-progress", "--lr", "0.05"]
 
 
@@ -25,9 +26,13 @@ def shared_2x2_cache(tmp_path_factory) -> str:
 
 def job_env(**extra):
     """The test process's environment minus its 8 simulated devices (each process gets its own)
-    and any job variables (JAXDP_*, SLURM_*); the torch backend choice is kept."""
+    and any job variables (JAXDP_*, SLURM_*); the torch backend choice and conftest's
+    compile-time XLA flags are kept."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS",) and (not k.startswith(("JAXDP_", "SLURM_")) or k == "JAXDP_TORCH_BACKEND")}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT)]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
     return env
 

@@ -47,10 +47,10 @@ def test_launch_sets_torchrun_style_env(tmp_path):
     coord = rows[0][0]
     assert coord.startswith("localhost:") and rows[1][0] == coord
     port = coord.split(":")[1]
-    assert rows[0][1:] == ["2", "0", "0", "0", "2", "0", "localhost", port,
-                           "--xla_force_host_platform_device_count=3", "0,1,2"]
-    assert rows[1][1:] == ["2", "1", "1", "1", "2", "1", "localhost", port,
-                           "--xla_force_host_platform_device_count=3", "3,4,5"]
+    # The launcher sets each process's device count and keeps every other XLA flag it was given.
+    flags = " ".join(job_env().get("XLA_FLAGS", "").split() + ["--xla_force_host_platform_device_count=3"])
+    assert rows[0][1:] == ["2", "0", "0", "0", "2", "0", "localhost", port, flags, "0,1,2"]
+    assert rows[1][1:] == ["2", "1", "1", "1", "2", "1", "localhost", port, flags, "3,4,5"]
 
 
 def test_a_failed_process_stops_the_others_promptly(tmp_path):

@@ -61,6 +61,7 @@ def test_zero3_init_peak_per_device_is_within_the_bound(zero3):
     assert not any(op in text for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"))
 
 
+@pytest.mark.production_compiler
 def test_zero3_sharded_init_equals_an_unsharded_init(zero3):
     model, strategy = zero3
     state = strategy.init(jax.random.key(3), EXAMPLE)

@@ -253,6 +253,7 @@ def test_state_is_sharded_as_zero_says(name, options):
         assert max_rel_error(got, variables["params"]) == 0
 
 
+@pytest.mark.production_compiler
 @pytest.mark.parametrize("name,options", [("zero3", {"units": UNITS}), ("zero1", {})])
 def test_sharded_init_is_the_unsharded_init(name, options):
     """``init`` builds each device's shards on the device; the state is the unsharded (compiled)
@@ -307,6 +308,7 @@ UNIT_MODELS = {
 }
 
 
+@pytest.mark.production_compiler
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("arch", UNIT_MODELS)
 def test_units_compose_to_the_model(arch, train):
@@ -340,6 +342,7 @@ def test_units_compose_to_the_model(arch, train):
     assert max_rel_error(got_grads["params"], want_grads["params"]) == 0
 
 
+@pytest.mark.production_compiler
 def test_units_by_path_pattern_compose_to_the_model():
     """Units named by path (here the stages, ``layer*``) work the same as by class."""
     model = UNIT_MODELS["basic"]()
