@@ -63,7 +63,7 @@ def build(cfg: TrainConfig) -> Setup:
     if "units" in options_of_strategy(cfg.strategy):
         options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
     strategy = create_strategy(cfg.strategy, model, classifier(model), tx, mesh, accum_steps=cfg.accum_steps,
-                               sync_bn=cfg.sync_bn, seed=cfg.seed, **options)
+                               sync_bn=cfg.sync_bn, seed=cfg.seed, log_grad_norm=True, **options)
     return Setup(strategy, schedule, train_set, test_set, per_device, steps, total)
 
 

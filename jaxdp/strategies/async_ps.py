@@ -137,4 +137,5 @@ class AsyncPS(Strategy):
             opt_state=opt_state,
             extra=extra,
         )
-        return new_state, train_metrics(loss, metrics, self.axis, grads if self.return_grads else None)
+        out = train_metrics(loss, metrics, self.axis, grads if self.return_grads else None)
+        return new_state, self.with_grad_norm(out, grads, chunked=False)

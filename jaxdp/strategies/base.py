@@ -152,7 +152,8 @@ class Strategy:
         return "opt" in self.facts.sharded
 
     def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
-                 axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0, tp_plan=None):
+                 axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0, tp_plan=None,
+                 log_grad_norm: bool = False):
         if accum_steps < 1:
             raise StrategyError(f"accum_steps must be >= 1, got {accum_steps}")
         if axis not in mesh.axis_names:
@@ -167,6 +168,7 @@ class Strategy:
         self.seed = seed
         # Parity checks compare the averaged gradients too; off in training (it costs memory).
         self.return_grads = return_grads
+        self.log_grad_norm = log_grad_norm  # the trainer logs it; off by default (one more collective)
         _check_model_parallel_axes(self, mesh)
         # Tensor parallelism over the mesh's model axis, when it has one (jaxdp.parallel.tensor).
         try:
@@ -338,6 +340,25 @@ class Strategy:
                 opt_state=place.opt_map(self.tx, lambda path, x, c: place.from_state(
                     path, x, c.shape, self.sharded_opt_state), s.opt_state, canonical))
         return convert
+
+    def with_grad_norm(self, out, grads, chunked: bool):
+        """``out`` plus ``grad_norm``, the averaged gradient's global L2 norm, if ``log_grad_norm``.
+
+        ``grads`` are this strategy's averaged gradients in its own layout (``chunked``: ZeRO's
+        chunks over data; model slices under tensor parallelism): each device's sum of squares,
+        summed over the mesh axes its part is cut along. ZeRO's padding is zero and adds nothing.
+        """
+        if not self.log_grad_norm:
+            return out
+        specs = self.placement.specs(grads, "params", chunked, self.shapes)
+        sums = {}
+        for g, spec in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(
+                specs, is_leaf=lambda x: isinstance(x, P))):
+            axes = tuple(sorted({a for entry in spec if entry for a in _as_tuple(entry)}))
+            g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+            sums[axes] = sums.get(axes, 0.0) + jnp.sum(g * g)
+        total = sum(jax.lax.psum(v, axes) if axes else v for axes, v in sums.items())
+        return {**out, "grad_norm": jnp.sqrt(total)}
 
     def canonical_grads(self, grads):
         """The ``return_grads`` gradients (this strategy's full per-model-slice layout) in canonical order."""

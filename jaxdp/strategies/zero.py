@@ -162,7 +162,8 @@ class ZeRO(Strategy):
             extra=extra,
         )
         full_grads = self.gather(grads, per_tensor=self.stage == 3) if self.return_grads else None
-        return new_state, train_metrics(loss, metrics, self.batch_axes, full_grads)
+        return new_state, self.with_grad_norm(train_metrics(loss, metrics, self.batch_axes, full_grads), grads,
+                                              chunked=True)
 
     def local_eval(self, state, batch):
         # As in training, one unit's params at a time: evaluation must fit where training does.
