@@ -9,6 +9,7 @@ XLA's simulated-device flag before jax starts.
 
 import argparse
 import functools
+import math
 import sys
 from typing import List, Optional
 
@@ -44,6 +45,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-size", type=_ints, default=d.synthetic_size, help="train,test sizes of the synthetic set")
     g = p.add_argument_group("parallelism")
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
+    g.add_argument("--mesh", default=d.mesh,
+                   help="named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product "
+                        "is the device count): model parallelism beside the data-parallel strategy")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="devices to use (default: all). On a CPU-only machine --devices N simulates N devices"
                         " (any N >= 1), unless XLA_FLAGS already sets --xla_force_host_platform_device_count,"
@@ -285,6 +289,13 @@ def _simulate_devices(args: argparse.Namespace) -> None:
     """--devices N on CPU: ask XLA for N devices, before jax is imported (a no-op for GPUs,
     and when XLA_FLAGS already fixes the count)."""
     devices = getattr(args, "devices", None)
+    if getattr(args, "mesh", None) and args.command == "train":
+        from jaxdp.mesh import MeshError, parse_mesh
+
+        try:
+            devices = devices or math.prod(parse_mesh(args.mesh).values())
+        except MeshError:
+            pass  # the trainer's own check says what is wrong with it, in one line
     if devices:
         from jaxdp.distributed import distributed_env
         from jaxdp.mesh import simulate_cpu_devices

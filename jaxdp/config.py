@@ -31,6 +31,7 @@ class TrainConfig(StrategyOptions):
     synthetic_size: Tuple[int, int] = (10000, 2000)
     # how to train it (and the strategy with its options: StrategyOptions)
     devices: Optional[int] = None  # default: every device; on CPU, N simulated devices
+    mesh: Optional[str] = None  # named axis sizes, e.g. "data=2,model=2"; their product is the device count
     global_batch_size: int = 128
     # optimisation
     epochs: int = 1
@@ -73,7 +74,8 @@ class TrainConfig(StrategyOptions):
         a resume; anything that changes the math may not. The global batch is part of
         it: it fixes which samples each step takes, whatever the device count.
         """
-        ignored = {"out", "resume", "overwrite", "progress", "devices", "checkpoint_every", "data_dir", "download",
+        ignored = {"out", "resume", "overwrite", "progress", "devices", "mesh", "checkpoint_every", "data_dir",
+                   "download",
                    "strategy", "mesh_shape", "bucket_cap_mb", "log_sample_ids", "init_timeout",
                    "heartbeat_timeout", "keep", "eval_every", "tensorboard", "profile_steps", "peak_flops",
                    "compile_cache"}
@@ -88,6 +90,26 @@ class TrainConfig(StrategyOptions):
                 "milestones": tuple(m * steps_per_epoch for m in self.milestones or ())}
 
 
+def mesh_devices(cfg: TrainConfig) -> Optional[int]:
+    """The device count ``--mesh`` (or else ``--devices``) asks for; a mesh that names an
+    unknown axis, or whose sizes do not multiply to ``--devices``, is one line."""
+    if cfg.mesh is None:
+        return cfg.devices
+    from jaxdp.mesh import MeshError, parse_mesh  # jax-free at import
+
+    try:
+        sizes = parse_mesh(cfg.mesh)
+    except MeshError as e:
+        raise TrainError(str(e)) from None
+    total = 1
+    for size in sizes.values():
+        total *= size
+    if cfg.devices is not None and cfg.devices != total:
+        raise TrainError(f"--mesh {cfg.mesh} holds {total} devices but --devices is {cfg.devices}: drop --devices "
+                         "or make them agree")
+    return total
+
+
 def check_config(cfg: TrainConfig) -> None:
     """What can be refused from the config alone, before jax or torch starts: raises
     ``TrainError`` naming the flag. (Names of models, strategies and optimizers are checked
@@ -98,6 +120,8 @@ def check_config(cfg: TrainConfig) -> None:
     _at_least("--accum-steps", cfg.accum_steps, 1)
     if cfg.devices is not None:
         _at_least("--devices", cfg.devices, 1, hint=" (omit it to use every device)")
+    if cfg.mesh is not None:
+        mesh_devices(cfg)
     _at_least("--epochs", cfg.epochs, 1)
     _at_least("--checkpoint-every", cfg.checkpoint_every, 0, hint=" (0 = once per epoch)")
     _at_least("--eval-every", cfg.eval_every, 0, hint=" (0 = at the end of each epoch)")

@@ -6,6 +6,7 @@ alone takes seconds), all of it before anything is written.
 """
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -50,8 +51,8 @@ def build(cfg: TrainConfig) -> Setup:
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     check_choice("schedule", cfg.schedule, SCHEDULES)
     options = strategy_options(cfg)
-    mesh = _make_mesh(cfg.devices)
-    n = mesh.size
+    mesh = _make_mesh(cfg.devices, cfg.mesh)
+    n = data_parallel_size(mesh)
     per_device = per_device_batch(cfg, n)
     _check_batchnorm_batch(model, cfg, n)
     train_set, test_set = load_dataset(cfg.dataset, cfg.data_dir, cfg.download, tuple(cfg.synthetic_size), cfg.seed)
@@ -67,12 +68,23 @@ def build(cfg: TrainConfig) -> Setup:
     return Setup(strategy, schedule, train_set, test_set, per_device, steps, total)
 
 
-def _make_mesh(devices: Optional[int]):
+def data_parallel_size(mesh) -> int:
+    """How many ways each batch is split: the data (and replica) axes, not model or stage."""
+    from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS, axis_size
+
+    return axis_size(mesh, DATA_AXIS) * axis_size(mesh, REPLICA_AXIS)
+
+
+def _make_mesh(devices: Optional[int], named: Optional[str] = None):
     """``make_mesh``, saying so when ``--devices N`` could not simulate N CPU devices
     because XLA_FLAGS already fixed their count."""
     import jax
 
-    from jaxdp.mesh import MeshError, make_mesh
+    from jaxdp.mesh import MeshError, make_mesh, parse_mesh
+
+    if named is not None:
+        sizes = parse_mesh(named)
+        devices = math.prod(sizes.values())
 
     available = jax.devices()
     preset = [f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -80,7 +92,7 @@ def _make_mesh(devices: Optional[int]):
     if devices and devices > len(available) and preset and available[0].platform == "cpu":
         raise MeshError(f"asked for {devices} devices but only {len(available)} are available: XLA_FLAGS "
                         f"sets {preset[-1]}, which --devices does not override; change or unset it")
-    return make_mesh(devices)
+    return make_mesh(**sizes) if named is not None else make_mesh(devices)
 
 
 def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:

@@ -184,3 +184,35 @@ def test_200_steps_dispatched_back_to_back_never_hang(name):
                           timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("done "), done.stdout
+
+
+@pytest.mark.float64
+@pytest.mark.parametrize("first,then", [(("zero3", {"data": 2, "model": 2}), ("zero1", {"data": 4})),
+                                        (("ddp", {"data": 4}), ("zero2", {"data": 2, "model": 2}))])
+def test_a_checkpoint_resumes_on_another_mesh(first, then, variables, tmp_path):
+    """The checkpoint's layout is canonical whatever the mesh: 2 steps on one layout, save,
+    restore into another (a target that builds nothing), 2 more steps == 4 steps on one device."""
+    from jaxdp.checkpoint import Checkpointer
+
+    data = batches(8, steps=4, seed=3)
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def make(name, axes):
+        model = vit()
+        return create_strategy(name, model, classifier(model), tx, make_mesh(**axes), **OPTIONS[name])
+
+    def run(strategy, state, batches_):
+        for batch in batches_:
+            state, _ = strategy.step(state, strategy.shard_batch(batch))
+        return state
+
+    reference = make("ddp", {"data": 1})
+    want = jax.device_get(reference.canonical(run(reference, reference.init_state(variables), data)))
+    a = make(*first)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(2, a.stored(run(a, a.init_state(variables), data[:2])), {"step": 2})
+    b = make(*then)
+    restored, _ = ckpt.restore(b.stored_target(b.abstract_state(data[0])))
+    got = jax.device_get(b.canonical(run(b, b.from_stored(restored), data[2:])))
+    assert max_rel_error(got.params, want.params) < 1e-12
+    assert max_rel_error(got.opt_state, want.opt_state) < 1e-12

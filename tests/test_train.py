@@ -252,6 +252,12 @@ MISSING_CIFAR = ["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"]
     (["--schedule", "multistep", "--milestones", "1"], "--milestones 1 never take effect"),
     (["--powersgd-start-iter", "2"], "--powersgd-start-iter applies to --compress powersgd only"),
     (["--resume", "--overwrite"], "pass one of them"),
+    (["--mesh", "data=2,layer=2"], "unknown mesh axis layer; the axes are replica, data, stage, model"),
+    (["--mesh", "data=2,model=2", "--devices", "2"], "--mesh data=2,model=2 holds 4 devices but --devices is 2"),
+    (["--mesh", "data=2,model=2", *SMOKE_ANY[:-1]],  # a ResNet has no tensor-parallel plan (yet)
+     "ResNet has no tensor-parallel plan for the mesh's model axis"),
+    (["--mesh", "data=2,model=2", "--strategy", "dp", *SMOKE_ANY[:-1]],
+     "dp runs over the data axis only, but the mesh has model=2"),
     # Names are checked before the dataset loads: these would otherwise fail on the missing CIFAR-10.
     ([*MISSING_CIFAR, "--strategy", "zero9"],
      "unknown strategy 'zero9'; choose one of ddp, zero1, zero2, zero3, hsdp, dp, async"),
@@ -376,3 +382,11 @@ def test_quickstart_learns_far_better_than_chance(tmp_path):
     # 0.561 after epoch 1, 1.000 after epoch 2; chance is 0.1). lr 0.2 sits inside a wide
     # margin (0.99 at lr 0.15, 1.0 at 0.3); at lr 0.1 epoch 2 landed on 0.900-0.967 by CPU.
     assert final["epoch"] == 2 and final["accuracy"] > 0.9
+
+
+def test_a_named_mesh_trains_as_the_same_devices_count(tmp_path):
+    """``--mesh data=2`` is ``--devices 2`` spelt as a mesh: the same losses, bit for bit."""
+    assert main(["train", *SMOKE_ANY, "--mesh", "data=2", "--out", str(tmp_path / "mesh")]) == 0
+    assert main(["train", *SMOKE, "--out", str(tmp_path / "devices")]) == 0
+    losses = [r["loss"] for r in read_records(tmp_path / "mesh")]
+    assert losses and losses == [r["loss"] for r in read_records(tmp_path / "devices")]
