@@ -127,7 +127,8 @@ def test_a_plain_install_brings_only_the_jax_side():
     assert {"torch", "matplotlib"} <= names(extras["torch"])
     assert "jaxdp[torch]" in extras["parity"] and "jaxdp[torch]" in extras["dev"]
     commands = project["entry-points"]["jaxdp.commands"]
-    assert commands == {"parity": "parity_tests.command:PARITY", "bench": "parity_tests.bench.command:BENCH"}
+    assert commands == {"parity": "parity_tests.command:PARITY", "bench": "parity_tests.bench.command:BENCH",
+                        "export": "torch_ref.export:EXPORT"}
     from jaxdp.commands import registered
 
     assert set(registered()) == set(commands), "stale install metadata: run pip install -e '.[dev]' (make install)"
@@ -165,8 +166,8 @@ _WITHOUT_TORCH = textwrap.dedent("""
     print("loss", float(metrics["loss"]), float((device_loss(slice(0, 2)) + device_loss(slice(2, 4))) / 2))
     print("torch side", sorted(m for m in sys.modules if m.split(".")[0] in ("torch_ref", "parity_tests", "matplotlib")
                                or (m.startswith("torch") and sys.modules[m] is not None)))
-    for command in ("parity", "bench"):
-        print(command, jaxdp.cli.main([command, "--devices", "2"]))
+    for command, args in (("parity", ["--devices", "2"]), ("bench", ["--devices", "2"]), ("export", ["--torch", "a", "b"])):
+        print(command, jaxdp.cli.main([command, *args]))
 """)
 
 
@@ -179,7 +180,7 @@ def test_training_without_torch_and_the_torch_commands_say_what_to_install():
     loss, reference = map(float, next(line for line in out if line.startswith("loss ")).split()[1:])
     assert abs(loss - reference) < 1e-5 * reference, (loss, reference)  # the step ran, on the right numbers
     assert "torch side []" in out
-    assert "parity 2" in out and "bench 2" in out
+    assert "parity 2" in out and "bench 2" in out and "export 2" in out
     hints = [line for line in done.stderr.splitlines() if line.startswith("jaxdp: error: ")]
     hint = "jaxdp: error: jaxdp {} needs the [torch] extra (not installed: torch): pip install 'jaxdp[torch]'"
-    assert hints == [hint.format("parity"), hint.format("bench")]
+    assert hints == [hint.format("parity"), hint.format("bench"), hint.format("export")]

@@ -18,9 +18,17 @@ It shares only the numpy data pipeline and the weight conversion
   (backend ``auto|nccl|gloo``, ``JAXDP_TORCH_BACKEND``; device ``cuda:LOCAL_RANK`` or cpu).
 
 Nothing here imports JAX at module level (``jaxdp.optim`` is imported only for a
-non-constant lr schedule), so torch ranks start without it.
+non-constant lr schedule), so torch ranks start without it. The package itself imports
+nothing (not even torch) until a name is used: ``jaxdp export``'s entry point
+(``torch_ref.export``) is read by ``jaxdp --help`` also where torch is not installed.
 """
 
-from torch_ref.models import MODELS, STEMS, ResNet, create_model, resnet
-
 __all__ = ["MODELS", "STEMS", "ResNet", "create_model", "resnet"]
+
+
+def __getattr__(name):
+    if name not in __all__:
+        raise AttributeError(f"module 'torch_ref' has no attribute {name!r}")
+    from torch_ref import models
+
+    return getattr(models, name)
