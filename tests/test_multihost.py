@@ -37,9 +37,12 @@ def mp_cache(tmp_path_factory):
 # ----------------------------------------------------------------------------- launcher, no jax
 
 def test_launch_sets_torchrun_style_env(tmp_path):
-    show = ("import os; print('ENV', *[os.environ.get(k) for k in ('JAXDP_COORDINATOR', 'JAXDP_NUM_PROCESSES',"
-            " 'JAXDP_PROCESS_ID', 'JAXDP_LOCAL_RANK', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR',"
-            " 'MASTER_PORT', 'XLA_FLAGS', 'JAX_LOCAL_DEVICE_IDS')], sep='|')")
+    # One write per line: print(..., sep=) writes the line and its newline separately, and two
+    # processes sharing the pipe could interleave them into one line (seen once in a full suite).
+    show = ("import os, sys; sys.stdout.write('|'.join(['ENV', *[str(os.environ.get(k)) for k in ("
+            "'JAXDP_COORDINATOR', 'JAXDP_NUM_PROCESSES', 'JAXDP_PROCESS_ID', 'JAXDP_LOCAL_RANK', 'RANK',"
+            " 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'XLA_FLAGS', 'JAX_LOCAL_DEVICE_IDS')]])"
+            " + '\\n')")
     code, out = run_job(["--nprocs", "2", "--devices-per-proc", "3"], [sys.executable, "-c", show], timeout=60)
     assert code == 0, out
     rows = sorted(line.split("|")[1:] for line in out.splitlines() if line.startswith("ENV"))
