@@ -28,9 +28,9 @@ from jaxdp.mesh import DATA_AXIS, shard_batch
 from jaxdp.parallel import tensor
 from jaxdp.state import TrainState
 from jaxdp.strategies import layout
-from jaxdp.strategies.placement import Placement
 from jaxdp.strategies.buckets import insertion_order_paths
 from jaxdp.strategies.factsheet import Facts
+from jaxdp.strategies.placement import Placement
 
 
 class StrategyError(ValueError):
@@ -595,7 +595,8 @@ def _init_key(strategy, batch):
     key = (strategy.model, type(task), getattr(task, "model_inputs", None),
            tuple(sorted(getattr(task, "init_kwargs", {}).items())),
            jax.tree_util.tree_structure(batch), tuple((x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves(batch)),
-           strategy.sharded_params, strategy.shards, strategy.axis, strategy.mesh)
+           strategy.sharded_params, strategy.shards, strategy.axis, strategy.mesh,
+           None if strategy.tp is None else tuple(sorted(strategy.tp.plan.items())))  # the model slices' order
     try:
         hash(key)
     except TypeError:
