@@ -14,7 +14,7 @@ import sys
 from typing import List, Optional
 
 from jaxdp.flags import PARSER_OPTIONS
-from jaxdp.flags import comma_ints as _ints
+from jaxdp.flags import add_strategy_flags, comma_ints as _ints
 
 
 def _step_range(text: str):
@@ -54,18 +54,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         " which then fixes how many there are")
     g.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
                    help="images per update, over every device and micro-batch")
-    g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
-    g.add_argument("--sync-bn", action="store_true", help="global BatchNorm statistics (SyncBatchNorm)")
-    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
-    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES),
-                   help="ddp: psum, or ring (reduce-scatter + all-gather written out)")
-    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
-                   help="ddp/zero1 gradient compression (default: none)")
-    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
-    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
-                   help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
-    g.add_argument("--staleness", type=int, default=d.staleness, help="async: max staleness k of worker weights")
-    g.add_argument("--mesh-shape", type=_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
+    add_strategy_flags(g, d, sync_bn_help="global BatchNorm statistics (SyncBatchNorm)",
+                       staleness_help="async: max staleness k of worker weights")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training set")
     g.add_argument("--max-steps", type=int, default=d.max_steps,

@@ -40,3 +40,23 @@ def deprecated_alias(parser, old: str, new: str, **kwargs) -> None:
             setattr(namespace, self.dest, values)
 
     parser.add_argument(old, action=Alias, help=argparse.SUPPRESS, **kwargs)
+
+
+def add_strategy_flags(group, defaults, *, sync_bn_help: str, staleness_help: str) -> None:
+    """The strategy options ``jaxdp train`` and ``jaxdp parity`` both take
+    (``jaxdp.step_config.StrategyOptions``), defined once; ``defaults`` holds their defaults."""
+    from jaxdp import choices
+
+    d, g = defaults, group
+    g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
+    g.add_argument("--sync-bn", action="store_true", help=sync_bn_help)
+    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
+    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES),
+                   help="ddp, zero1: psum, or ring (reduce-scatter + all-gather written out)")
+    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
+                   help="ddp/zero1 gradient compression (default: none)")
+    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
+    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
+                   help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
+    g.add_argument("--staleness", type=int, default=d.staleness, help=staleness_help)
+    g.add_argument("--mesh-shape", type=comma_ints, default=d.mesh_shape, help="hsdp: replicas,shards")

@@ -22,23 +22,14 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     d = ParityConfig()
     g = p.add_argument_group("pair")
     from jaxdp import choices
-    from jaxdp.flags import deprecated_alias
+    from jaxdp.flags import add_strategy_flags, deprecated_alias
 
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(PAIRS), help="jaxdp strategy")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="jaxdp devices = torch ranks (on CPU the devices are simulated)")
-    g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
+    add_strategy_flags(g, d, sync_bn_help="global BN statistics (torch: see the pair table)",
+                       staleness_help="async: only 0 has a torch twin")
     deprecated_alias(g, "--accum", "--accum-steps", dest="accum_steps", type=int)
-    g.add_argument("--sync-bn", action="store_true", help="global BN statistics (torch: see the pair table)")
-    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size")
-    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES), help="ddp, zero1")
-    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
-                   help="ddp, zero1 gradient compression (default: none)")
-    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
-    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
-                   help="powersgd: plain all-reduce for the first N steps")
-    g.add_argument("--staleness", type=int, default=d.staleness, help="async: only 0 has a torch twin")
-    g.add_argument("--mesh-shape", type=comma_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model, metavar=choices.listing(choices.MODELS), help="architecture")
     g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
