@@ -458,6 +458,15 @@ def make_optimizer(parallel: Parallel, name: str, lr: float, *, momentum: float 
                    betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
     """``torch.optim.SGD`` / ``Adam`` / ``AdamW`` with every option explicit (AdamW's own
     default weight decay, 1e-2, is never used); ``ZeroRedundancyOptimizer`` for zero1."""
+    return optimizer_for(list(parallel.module.parameters()), name, lr, zero1=parallel.name == "zero1",
+                         momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def optimizer_for(params, name: str, lr: float, *, zero1: bool = False, momentum: float = 0.9,
+                  nesterov: bool = False, weight_decay: float = 0.0, betas: Sequence[float] = (0.9, 0.999),
+                  eps: float = 1e-8) -> torch.optim.Optimizer:
+    """``make_optimizer`` over given params (a wrapper that swaps its params, e.g. DDP over
+    tensor-parallel DTensors, hands over the ones it reduces)."""
     if name == "sgd":
         cls, kw = torch.optim.SGD, dict(momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     elif name in ("adam", "adamw"):
@@ -465,9 +474,8 @@ def make_optimizer(parallel: Parallel, name: str, lr: float, *, momentum: float 
         kw = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     else:
         raise StrategyError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    params = list(parallel.module.parameters())
     try:
-        if parallel.name == "zero1":
+        if zero1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(params, optimizer_class=cls, lr=lr, **kw)

@@ -70,25 +70,15 @@ def canonical(name: str, t: torch.Tensor, tp: int, layouts: Mapping[str, tuple])
 
 
 def _data_parallel(model, dp_mesh, strategy: str):
+    from torch_ref.strategies import fsdp
+
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_mesh=dp_mesh)
     if strategy == "zero3":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block, mesh=dp_mesh)
-        return fully_shard(model, mesh=dp_mesh)
+        return fsdp(model, reshard_after_forward=True, mesh=dp_mesh)  # per encoder block, then the root
     raise ValueError(f"torch_ref's tensor-parallel twin runs ddp or zero3, not {strategy!r}")
-
-
-def _optimizer(params, cfg: Mapping[str, Any]):
-    if cfg["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0))
-    if cfg["optimizer"] == "adamw":
-        return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.01))
-    raise ValueError(f"unknown optimizer {cfg['optimizer']!r}")
 
 
 def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
@@ -97,6 +87,7 @@ def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torch_ref.strategies import optimizer_for
     from torch_ref.vit import VisionTransformer
 
     dp, tp = cfg["dp"], cfg["tp"]
@@ -111,7 +102,8 @@ def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
     # shards and DTensors, and after the first forward model.named_parameters() lists only
     # the others (torch 2.13; DESIGN.md section 8). These objects are what DDP reduces.
     named = list(model.named_parameters())
-    optimizer = _optimizer([p for _, p in named], cfg)
+    optimizer = optimizer_for([p for _, p in named], cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"],
+                              weight_decay=cfg["weight_decay"] if cfg["optimizer"] == "adamw" else 0.0)
     me = mesh["dp"].get_local_rank()
     records = []
     for images, labels in batches:

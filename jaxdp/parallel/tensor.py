@@ -32,7 +32,6 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jaxdp.mesh import MODEL_AXIS, axis_size
 
@@ -105,10 +104,6 @@ class TensorParallel:
         d = self.dim(path, shape)
         return tuple(s // self.size if i == d else s for i, s in enumerate(shape))
 
-    def spec(self, path: str, shape: Sequence[int]) -> P:
-        d = self.dim(path, shape)
-        return P() if d is None else P(*([None] * d + [self.axis]))
-
     # -- canonical order <-> state order ---------------------------------------------------------
     def to_state(self, path: str, x):
         """Canonical -> state order: a grouped dim's groups interleaved by device."""
@@ -128,11 +123,6 @@ class TensorParallel:
         y = x.reshape(shape[:d] + first + shape[d + 1:])
         y = jax.numpy.swapaxes(y, d, d + 1)
         return y.reshape(shape)
-
-    def tree(self, fn, tree, prefix: str = ""):
-        """``fn(path, leaf)`` over ``tree``, paths prefixed with ``prefix`` ('params', ...)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: fn("/".join(filter(None, (prefix, path_name(p)))), x), tree)
 
     def check(self, variables) -> None:
         """Every split dim divides into ``size`` (x groups) pieces, and every rule matches a variable."""
