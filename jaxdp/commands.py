@@ -1,7 +1,8 @@
 """Subcommands that other packages add to ``jaxdp``, found through entry points.
 
 ``jaxdp parity`` and ``jaxdp bench`` run PyTorch beside jaxdp, so they live with the torch
-side (``parity_tests``) and need the [torch] extra; jaxdp itself never imports them. A
+side (``parity_tests``) and need the [torch] extra; jaxdp itself never imports them.
+``jaxdp plan`` (``jaxdp.analysis.plan_command``) is registered the same way, needing only jax. A
 package registers a ``Command`` under the entry-point group ``jaxdp.commands``::
 
     [project.entry-points."jaxdp.commands"]

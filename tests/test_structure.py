@@ -128,7 +128,7 @@ def test_a_plain_install_brings_only_the_jax_side():
     assert "jaxdp[torch]" in extras["parity"] and "jaxdp[torch]" in extras["dev"]
     commands = project["entry-points"]["jaxdp.commands"]
     assert commands == {"parity": "parity_tests.command:PARITY", "bench": "parity_tests.bench.command:BENCH",
-                        "export": "torch_ref.export:EXPORT"}
+                        "export": "torch_ref.export:EXPORT", "plan": "jaxdp.analysis.plan_command:PLAN"}
     from jaxdp.commands import registered
 
     assert set(registered()) == set(commands), "stale install metadata: run pip install -e '.[dev]' (make install)"

@@ -14,8 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
-from jaxdp.analysis.state import (extra_formula, formula_bytes, kept_grad_bytes, padded_count, root_params,
-                                  state_bytes, strategy_traffic_formula)
+from jaxdp.analysis.state import kept_grad_bytes, state_bytes, strategy_formulas
 
 
 class InspectError(ValueError):
@@ -34,9 +33,7 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
 
     from jaxdp.mesh import make_mesh
     from jaxdp.models import create_model
-    from jaxdp.optim import make_optimizer
-    from jaxdp.strategies import create_strategy, options_of
-    from jaxdp.task import classifier
+    from jaxdp.strategies import options_of
 
     if batch_per_device < 1 or image_size < 1:
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
@@ -44,10 +41,8 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
         jax.config.update("jax_enable_x64", True)
     net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
     check_batchnorm_has_values(net, batch_per_device, image_size)
-    lr = 0.1 if optimizer == "sgd" else 1e-3
-    tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
     options = dict(options or {}, **({"mesh_shape": mesh_shape} if name == "hsdp" else {}))
-    strategy = create_strategy(name, net, classifier(net), tx, make_mesh(n), **fsdp_options(name, net, options))
+    strategy = build_strategy(name, make_mesh(n), net, optimizer, options)
     rng = np.random.default_rng(seed)
     global_batch = batch_per_device * strategy.num_devices
     batch = {"image": rng.normal(size=(global_batch, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
@@ -59,6 +54,18 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
         report.update(fsdp_units=[getattr(u, "__name__", u) for u in strategy.units.classes + strategy.units.patterns],
                       fsdp_unit_count=len(strategy.unit_paths))
     return report
+
+
+def build_strategy(name: str, mesh, net, optimizer: str, options: Optional[dict] = None):
+    """Strategy ``name`` training ``net`` (a classifier) on ``mesh`` with ``optimizer`` (sgd: lr 0.1,
+    momentum 0.9; others lr 1e-3) and the model's FSDP units: what ``inspect`` and ``plan`` measure."""
+    from jaxdp.optim import make_optimizer
+    from jaxdp.strategies import create_strategy
+    from jaxdp.task import classifier
+
+    lr = 0.1 if optimizer == "sgd" else 1e-3
+    tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
+    return create_strategy(name, net, classifier(net), tx, mesh, **fsdp_options(name, net, options))
 
 
 def fsdp_options(name: str, model, options: Optional[dict] = None) -> dict:
@@ -107,32 +114,16 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
     strategy.learn_structure(batch)
     if state is None:
         state = strategy.init(jax.random.key(seed), batch) if variables is None else strategy.init_state(variables)
-    params = strategy.shapes  # the full params' shapes and dtypes
-    leaves = jax.tree_util.tree_leaves(params)
-    psi = int(sum(np.prod(x.shape) for x in leaves))
-    p = int(np.dtype(leaves[0].dtype).itemsize)
-    shards = strategy.shards
-    psi_pad = padded_count(params, shards)
-    root = root_params(strategy, params)
-    root_pad = padded_count(root, shards) if root is not None else None
-    # K from the optimizer itself: its per-parameter state as DDP holds it.
-    per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
-    k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
     images = np.asarray(jax.tree_util.tree_leaves(batch)[0])
     sharded = strategy.shard_batch(batch)
-
-    measured = state_bytes(state, strategy, params)
+    formulas = strategy_formulas(strategy)
+    state_formulas = {part: formulas.pop(part) for part in ("formula", "formula_padded")}
+    measured = state_bytes(state, strategy, strategy.shapes)
     measured["grads"] = kept_grad_bytes(strategy, state, sharded)
-    formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
-    mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.devices.ndim == 2 else None
     report = {
-        "strategy": strategy.name, "devices": strategy.num_devices, "mesh_shape": mesh_shape, "shards": shards,
-        "psi": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
-        "opt_bytes_per_param": k,
+        "strategy": strategy.name, "devices": strategy.num_devices, "shards": strategy.shards, **formulas,
         "batch_per_device": int(images.shape[0]) // strategy.num_devices, "image_size": images.shape[-2],
-        "state": {"measured": measured, "formula": formula["exact"], "formula_padded": formula["padded"]},
-        "traffic_formula_bytes": strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape,
-                                                          root_pad or 0),
+        "state": {"measured": measured, **state_formulas},
     }
     if compile:
         lowered = strategy.lower_step(state, sharded)

@@ -1,0 +1,167 @@
+"""Which strategy fits a model on N devices of a given memory, at what batch, for what traffic.
+
+``plan(...)`` (``jaxdp plan``) gives, for every strategy on N devices (hsdp: every
+replicas x shards mesh with both > 1), per device:
+
+- the model state from the ZeRO formulas (``state.strategy_formulas``: params, optimizer
+  state and ``extra``, padded as the layout pads; the gradients live inside the step);
+- the compiled step's memory at the asked per-device batch b = B/N: ``memory_analysis()``
+  of the strategy's own step, ``argument + output - alias + temp`` as ``jaxdp bench``
+  counts it (temp: activations, gradients, gathered params, workspace);
+- whether that fits in the device memory, and the largest per-device batch that does.
+  Memory is linear in the batch (activations are, the state is not), so the line through
+  two compiles, at b and 2b, gives it; a third compile at that batch checks it (if it
+  does not fit, the line through the two largest points is tried once more);
+- the traffic per step: ring bytes each device sends, the strategy's formula.
+
+**The rule for the recommendation**: of the strategies that fit at b, the one with the
+least traffic per step; a tie goes to the one listed first in ``CANDIDATES``' order (ddp,
+zero1, zero2, zero3, hsdp, async: the fewer collectives per step), e.g. ddp at N = 1.
+
+**How it compiles for N devices it does not have.** jax 0.10.2 lowers a program over an
+``AbstractMesh`` (``jit(f).trace(...).lower(lowering_platforms=("cpu",))``), but compiling
+it asks for a device assignment of N devices, and the memory is a property of the compiled
+executable. So the plan runs where XLA simulates N CPU devices
+(``--xla_force_host_platform_device_count=N``: ``jaxdp plan --devices N`` sets it before
+jax starts), and lowers each strategy's real step (``lower_step``) on shapes only: the
+state is ``abstract_state`` (``ShapeDtypeStruct`` with shardings), the batch likewise.
+XLA compiles the one per-device SPMD program and nothing is allocated: measured, a
+ResNet-18 of width 1024 (2.8 G params, 45 GB with Adam) at N = 64 plans each strategy in
+about 5 s under 0.7 GB of resident memory. The numbers are XLA:CPU's buffer assignment;
+a GPU's fusions and workspaces differ (an estimate there).
+
+Not planned: ``dp`` (``pmap``'s layout holds one state slot per device on a leading axis,
+which ``abstract_state`` does not build; its memory is ddp's plus device 0's gathered
+gradients).
+
+Nothing here imports jax at module level.
+"""
+
+import math
+from typing import Callable, List, Optional, Sequence
+
+CANDIDATES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "async")
+MAX_BATCH = 1 << 16  # per device: the search stops here (shapes beyond it reach XLA's int32 indexing)
+RULE = "least traffic per step among those that fit; ties: the first of ddp, zero1, zero2, zero3, hsdp, async"
+
+
+class PlanError(ValueError):
+    """Options that cannot be planned (one line on the command line)."""
+
+
+def meshes(name: str, n: int) -> List[Optional[tuple]]:
+    """The meshes ``name`` is planned on: hsdp every (replicas, shards) with both > 1, others the 1-D one."""
+    if name != "hsdp":
+        return [None]
+    return [(r, n // r) for r in range(2, n) if n % r == 0 and n // r > 1]
+
+
+def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 2**30, global_batch_size: int = 256,
+         *, width: int = 64, blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
+         dtype: str = "float32", image_size: int = 32, strategies: Sequence[str] = CANDIDATES, staleness: int = 1,
+         verify: bool = True) -> dict:
+    """The plan as a dict: the inputs, one row per (strategy, mesh) and the recommended row's index."""
+    import jax
+
+    from jaxdp.analysis.measure import check_batchnorm_has_values
+    from jaxdp.models import create_model
+
+    n = devices
+    if n < 1 or global_batch_size % n:
+        raise PlanError(f"--global-batch-size {global_batch_size} must split evenly over --devices {n}")
+    if len(jax.devices()) < n:
+        raise PlanError(f"jax sees {len(jax.devices())} devices, the plan needs {n}: run `jaxdp plan --devices {n}` "
+                        "(it simulates them), and leave --xla_force_host_platform_device_count out of XLA_FLAGS")
+    unknown = set(strategies) - set(CANDIDATES)
+    if unknown:
+        raise PlanError(f"cannot plan {', '.join(sorted(unknown))}; choose from {', '.join(CANDIDATES)}")
+    if dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    b = global_batch_size // n
+    net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
+    check_batchnorm_has_values(net, b, image_size)
+    rows = [plan_strategy(name, mesh_shape, net, n, b, device_memory, optimizer=optimizer, image_size=image_size,
+                          staleness=staleness, verify=verify)
+            for name in CANDIDATES if name in strategies for mesh_shape in meshes(name, n)]
+    return {"model": model, "width": width, "blocks": list(getattr(net, "stage_sizes", ())), "dtype": dtype,
+            "optimizer": optimizer, "image_size": image_size, "devices": n, "device_memory": device_memory,
+            "global_batch_size": global_batch_size, "batch_per_device": b, "psi": rows[0]["psi"] if rows else None,
+            "rows": rows, "recommended": recommend(rows), "rule": RULE}
+
+
+def recommend(rows: List[dict]) -> Optional[int]:
+    """The index of the row ``RULE`` picks (rows in ``CANDIDATES``' order), None if none fits."""
+    fitting = [i for i, row in enumerate(rows) if row["fits"]]
+    return min(fitting, key=lambda i: (rows[i]["traffic_bytes"], i)) if fitting else None
+
+
+def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: float, *, optimizer: str,
+                  image_size: int, staleness: int, verify: bool) -> dict:
+    """One row of the plan: formulas, the compiled memory at b, the largest batch that fits."""
+    from jaxdp.analysis.measure import build_strategy
+    from jaxdp.analysis.state import strategy_formulas
+    from jaxdp.mesh import make_mesh
+
+    options = {"mesh_shape": mesh_shape} if name == "hsdp" else {"staleness": staleness} if name == "async" else {}
+    strategy = build_strategy(name, make_mesh(n), net, optimizer, options)
+    compiled = {}
+
+    def total(batch: int) -> int:
+        if batch not in compiled:
+            compiled[batch] = step_memory(strategy, batch, image_size)
+        return compiled[batch]["total"]
+
+    largest = largest_batch(total, b, device_memory, verify)  # compiles at b first: sets strategy.shapes
+    formulas = strategy_formulas(strategy)
+    state = formulas["formula_padded"]
+    return {"strategy": name, "mesh_shape": mesh_shape, "psi": formulas["psi"],
+            "state_bytes": state["params"] + state["opt"] + state["extra"], "grads_bytes": state["grads"],
+            "memory": compiled[b], "fits": compiled[b]["total"] <= device_memory, **largest,
+            "traffic_bytes": formulas["traffic_formula_bytes"] or 0.0}
+
+
+def step_memory(strategy, batch_per_device: int, image_size: int) -> dict:
+    """``memory_analysis()`` of the strategy's step at this per-device batch, compiled from shapes alone."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxdp.analysis.hlo import compiled_memory
+
+    rows = batch_per_device * strategy.num_devices
+    split = NamedSharding(strategy.mesh, P(strategy.batch_axes))
+    batch = {"image": jax.ShapeDtypeStruct((rows, image_size, image_size, 3), strategy.model.dtype, sharding=split),
+             "label": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=split)}
+    memory = compiled_memory(strategy.lower_step(strategy.abstract_state(batch), batch).compile())
+    memory["total"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    return memory
+
+
+def largest_batch(total: Callable[[int], int], b: int, capacity: float, verify: bool = True) -> dict:
+    """The largest per-device batch whose ``total(batch)`` bytes fit in ``capacity``, from the line
+    through ``total(b)`` and ``total(2b)``; with ``verify``, ``total`` at the answer checks it."""
+    points = {b: total(b), 2 * b: total(2 * b)}
+    guess = _on_line(points, capacity)
+    if verify and guess > 0 and guess not in points:
+        points[guess] = total(guess)
+        if points[guess] > capacity:  # not quite linear: once more through the two largest points
+            guess = min(_on_line(points, capacity), guess - 1)
+            if guess > 0 and guess not in points:
+                points[guess] = total(guess)
+    slope, fixed = _line(points)
+    return {"max_batch_per_device": guess, "max_batch_bytes": points.get(guess),
+            "verified": guess == 0 or (guess in points and points[guess] <= capacity),
+            "fixed_bytes": fixed, "bytes_per_image": slope}
+
+
+def _line(points: dict):
+    (b1, m1), (b2, m2) = sorted(points.items())[-2:]
+    slope = (m2 - m1) / (b2 - b1)
+    return slope, m2 - slope * b2
+
+
+def _on_line(points: dict, capacity: float) -> int:
+    slope, fixed = _line(points)
+    if slope <= 0:
+        return MAX_BATCH if fixed <= capacity else 0
+    return max(0, min(MAX_BATCH, math.floor((capacity - fixed) / slope)))
