@@ -1,4 +1,4 @@
-"""``jaxdp bench`` end to end with tiny settings: one strategy, N = 2, both frameworks.
+"""``jaxdp bench`` end to end with tiny settings: one strategy, N = 2, both frameworks and their bare steps.
 
 Checks the plumbing (table, JSON, Markdown, PNG; a timed row for each framework; the
 HLO traffic beside its formula), never the speed. Runs in-process (conftest has
@@ -32,3 +32,10 @@ def test_bench_smoke(tmp_path, capsys):
     # DDP's all-reduce of the f32 params: measured ring bytes within 5% of 2(N-1)/N·4Ψ (plus BN/metrics).
     assert abs(j["collectives"]["ring_bytes"] / j["traffic_formula_bytes"] - 1) < 0.05
     assert result["environment"]["loadavg"] and result["pipeline"]["images_per_s"] > 0
+    # The bare steps at the row's per-device batch (2 images), and each framework's step over its own.
+    bare = result["bare"]["2"]
+    assert bare["batch_per_device"] == 2
+    for fw, base in (("jaxdp", "jax"), ("torch_ref", "torch")):
+        assert len(bare[base]["step_times_s"]) == 2 and bare[base]["loss"] > 0, bare[base]
+        assert row[f"overhead_{fw}"] == row[fw]["median_step_s"] / bare[base]["median_step_s"]
+    assert "| ddp | 2 | 2 |" in (out / "smoke.md").read_text()

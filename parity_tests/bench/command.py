@@ -13,6 +13,7 @@ import os
 from jaxdp.commands import Command
 from jaxdp.flags import comma_ints
 from parity_tests.bench import cuda_host
+from parity_tests.bench.bare import bare_markdown
 from parity_tests.bench.jax_side import prepare_jax
 from parity_tests.bench.report import HEADER, markdown, plots
 from parity_tests.bench.runner import run_bench
@@ -39,6 +40,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default 2)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
+    p.add_argument("--no-bare", dest="bare", action="store_false",
+                   help="skip the bare rows (plain jitted / eager torch step at each N's per-device batch)")
     p.add_argument("--pipeline-images", type=int, default=4096, help="images in the input-pipeline measurement")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny settings: width {QUICK['width']}, blocks 1,1,1,1, batch {QUICK['global_batch']}, "
@@ -66,6 +69,7 @@ def _resolve(args) -> dict:
         "steps": args.steps or q.get("steps", 10),
         "warmup": args.warmup if args.warmup is not None else q.get("warmup", 2),
         "n": args.n or q.get("n", (1, 2, 4, 8)),
+        "bare": args.bare,
     }
 
 
@@ -84,7 +88,7 @@ def run(args) -> int:
     result = run_bench(cfg, strategies, with_torch=args.torch, timeout_s=args.timeout,
                        pipeline_images=args.pipeline_images)
     os.makedirs(args.out, exist_ok=True)
-    md = markdown(result)
+    md = markdown(result) + bare_markdown(result)
     with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxdp.commands import CommandError
 from parity_tests.bench import hsdp_mesh_shape
+from parity_tests.bench.bare import add_overheads, bench_bare
 from parity_tests.bench.jax_side import bench_jax, bench_pipeline
 from parity_tests.bench.report import row_line
 from parity_tests.bench.torch_side import bench_torch, torch_twin
@@ -104,11 +105,13 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
     peak = peak_tflops(env["device_kind"]) if env["backend"] == "gpu" else None
     fpi = flop_per_image(cfg["model"], cfg["width"])
     rng = np.random.default_rng(0)
-    rows = []
+    rows, bare = [], {}
     i = 0
     for n in ns:
         images = rng.normal(size=(n, cfg["global_batch"] // n, 32, 32, 3)).astype(np.float32)
         labels = rng.integers(0, 10, size=(n, cfg["global_batch"] // n)).astype(np.int32)
+        if cfg.get("bare", True):  # the same per-device batch with no strategy code (bare.py)
+            bare[str(n)] = bench_bare(cfg, images[0], labels[0], with_torch=with_torch, timeout_s=timeout_s)
         for name in strategies:
             row = {"strategy": name, "n": n, "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
                    "order": "jaxdp first" if i % 2 == 0 else "torch_ref first",
@@ -139,6 +142,7 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
             j, t = row.get("jaxdp", {}), row.get("torch_ref", {})
             if j.get("median_step_s") and t.get("median_step_s"):
                 row["ratio_jax_over_torch"] = j["median_step_s"] / t["median_step_s"]
+            add_overheads(row, bare.get(str(n), {}))
             if peak and fpi and j.get("images_per_s"):
                 row["mfu_jaxdp"] = j["images_per_s"] * fpi / (n * peak * 1e12)
                 if t.get("images_per_s"):
@@ -153,4 +157,4 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
     env["loadavg_end"] = list(os.getloadavg())
     return {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
             "strategies": list(strategies), "environment": env, "peak_tflops": peak, "flop_per_image": fpi,
-            "rows": rows, "pipeline": pipe}
+            "rows": rows, "bare": bare, "pipeline": pipe}
