@@ -60,6 +60,10 @@ def test_largest_batch_from_two_compiles_and_a_check():
     curved = {}
     result = largest_batch(lambda b: curved.setdefault(b, 1000 + 10 * b + b * b // 10), 4, 1505)
     assert result["max_batch_per_device"] == 35 and result["verified"] and list(curved) == [4, 8, 45, 35]
+    # Flat at first (XLA reusing buffers): doubled until it grows, then the line.
+    flat = {}
+    result = largest_batch(lambda b: flat.setdefault(b, max(1200, 1000 + 10 * b)), 4, 1505)
+    assert result["max_batch_per_device"] == 50 and list(flat) == [4, 8, 16, 32, 56, 50]  # 56: 1560, over
     # Nothing fits: the state alone is too big.
     assert largest_batch(lambda b: 2000 + b, 4, 1505)["max_batch_per_device"] == 0
 

@@ -10,8 +10,9 @@ replicas x shards mesh with both > 1), per device:
   counts it (temp: activations, gradients, gathered params, workspace);
 - whether that fits in the device memory, and the largest per-device batch that does.
   Memory is linear in the batch (activations are, the state is not), so the line through
-  two compiles, at b and 2b, gives it; a third compile at that batch checks it (if it
-  does not fit, the line through the two largest points is tried once more);
+  two compiles, at b and 2b, gives it (if memory does not grow yet, XLA reusing buffers,
+  4b, 8b, ... up to 16b); a third compile at that batch checks it (if it does not fit,
+  the line through the two largest points is tried once more);
 - the traffic per step: ring bytes each device sends, the strategy's formula.
 
 **The rule for the recommendation**: of the strategies that fit at b, the one with the
@@ -141,6 +142,10 @@ def largest_batch(total: Callable[[int], int], b: int, capacity: float, verify: 
     """The largest per-device batch whose ``total(batch)`` bytes fit in ``capacity``, from the line
     through ``total(b)`` and ``total(2b)``; with ``verify``, ``total`` at the answer checks it."""
     points = {b: total(b), 2 * b: total(2 * b)}
+    for _ in range(3):  # small batches may fit in buffers XLA reuses anyway: go on until memory grows
+        if _line(points)[0] > 0 or max(points) >= MAX_BATCH:
+            break
+        points[2 * max(points)] = total(2 * max(points))
     guess = _on_line(points, capacity)
     if verify and guess > 0 and guess not in points:
         points[guess] = total(guess)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp import task as tasks
+from jaxdp import compile_options, task as tasks
 from jaxdp.mesh import DATA_AXIS, shard_batch
 from jaxdp.parallel import tensor
 from jaxdp.state import TrainState
@@ -153,7 +153,7 @@ class Strategy:
 
     def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
                  axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0, tp_plan=None,
-                 log_grad_norm: bool = False):
+                 log_grad_norm: bool = False, compiler_options=None):
         if accum_steps < 1:
             raise StrategyError(f"accum_steps must be >= 1, got {accum_steps}")
         if axis not in mesh.axis_names:
@@ -169,6 +169,12 @@ class Strategy:
         # Parity checks compare the averaged gradients too; off in training (it costs memory).
         self.return_grads = return_grads
         self.log_grad_norm = log_grad_norm  # the trainer logs it; off by default (one more collective)
+        # XLA compile options of the step: None = the platform's default, "none" = XLA's own
+        # (jaxdp.compile_options); refused here, in one line, if written wrong.
+        try:
+            self.compiler_options = compile_options.resolve(compiler_options, mesh.devices.flat[0].platform)
+        except compile_options.CompileOptionsError as e:
+            raise StrategyError(str(e)) from None
         _check_model_parallel_axes(self, mesh)
         # Tensor parallelism over the mesh's model axis, when it has one (jaxdp.parallel.tensor).
         try:
@@ -494,7 +500,7 @@ class Strategy:
             local = self.local_step if self.tp is None else self._local_step_whole_grads
             self._jit_step = jax.jit(
                 self._shard_mapped(local, state, P(self.batch_axes), (specs, P()), self.check_vma),
-                donate_argnums=0)
+                donate_argnums=0, compiler_options=self.compiler_options)
         return self._jit_step
 
     def _local_step_whole_grads(self, state, batch):

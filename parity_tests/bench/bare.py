@@ -175,4 +175,4 @@ def _bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
             torch.cuda.synchronize()
         if i >= cfg["warmup"]:
             times.append(time.perf_counter() - t)
-    return {"framework": "bare torch", "step_times_s": times, "loss": float(loss), "threads": torch.get_num_threads()}
+    return {"framework": "bare torch", "step_times_s": times, "loss": float(loss.detach()), "threads": torch.get_num_threads()}
