@@ -39,3 +39,41 @@ def test_bench_smoke(tmp_path, capsys):
         assert len(bare[base]["step_times_s"]) == 2 and bare[base]["loss"] > 0, bare[base]
         assert row[f"overhead_{fw}"] == row[fw]["median_step_s"] / bare[base]["median_step_s"]
     assert "| ddp | 2 | 2 |" in (out / "smoke.md").read_text()
+
+
+def test_bench_gpu_preset_dry_run_lists_its_rows(capsys):
+    from parity_tests.bench.gpu_preset import ASSUMED_GPUS, visible_gpus
+
+    assert main(["bench", "--preset", "gpu", "--dry-run", "--strategies", "ddp,zero3"]) == 0
+    out = capsys.readouterr().out
+    gpus = visible_gpus() or ASSUMED_GPUS
+    rows = [line for line in out.splitlines() if line.startswith("  batch/device")]
+    # per-device batches 256 and 512, N = 1 and every GPU, two strategies
+    assert len(rows) == 2 * len({1, gpus}) * 2 and "bfloat16 compute with fp32 master weights" in out
+    assert any(f"N {gpus:>2}  global batch {512 * gpus:>5}  zero3" in line for line in rows)
+    assert all("torch.compile" in line and "bare jax" in line for line in rows)
+
+
+def test_bench_gpu_preset_refuses_without_a_gpu_in_one_line(capsys):
+    import pytest
+
+    from parity_tests.bench.gpu_preset import visible_gpus
+
+    if visible_gpus():
+        pytest.skip("a GPU is visible: the preset would run")
+    assert main(["bench", "--preset", "gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxdp: error: --preset gpu needs CUDA GPUs and nvidia-smi lists none; --dry-run prints the rows it runs"
+    assert main(["bench", "--preset", "cpu"]) == 2 and "the one preset is gpu" in capsys.readouterr().err
+
+
+def test_scaling_efficiency_is_against_n1_at_the_same_batch_per_device():
+    from parity_tests.bench.gpu_preset import scaling_efficiency
+
+    rows = [{"strategy": "ddp", "n": 1, "global_batch": 256, "jaxdp": {"images_per_s": 100.0}},
+            {"strategy": "ddp", "n": 4, "global_batch": 1024, "jaxdp": {"images_per_s": 360.0},
+             "torch_ref": {"images_per_s": 300.0}},
+            {"strategy": "ddp", "n": 4, "global_batch": 2048, "jaxdp": {"images_per_s": 390.0}}]
+    scaling_efficiency(rows)
+    assert rows[1]["scaling_jaxdp"] == 0.9 and "scaling_torch_ref" not in rows[1]  # no torch row at N = 1
+    assert "scaling_jaxdp" not in rows[2]  # 512 per device: no N = 1 row at that batch

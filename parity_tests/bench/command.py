@@ -49,6 +49,10 @@ def add_bench_args(p) -> None:
     p.add_argument("--out", default="benchmarks/results", help="folder for bench.json, bench.md and the PNGs")
     p.add_argument("--tag", default="bench", help="file name stem of the outputs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per torch launch")
+    p.add_argument("--preset", default=None, metavar="{gpu}",
+                   help="gpu: ResNet-18 bf16 at 256 and 512 per device, every strategy, N = 1 and every GPU "
+                        "(parity_tests/bench/gpu_preset.py)")
+    p.add_argument("--dry-run", action="store_true", help="with --preset: print the rows it would run, run none")
 
 
 def _resolve(args) -> dict:
@@ -74,19 +78,32 @@ def _resolve(args) -> dict:
 
 
 def run(args) -> int:
-    cfg = _resolve(args)
-    prepare_jax(max(cfg["n"]))
-    from jaxdp.strategies import STRATEGIES
+    from jaxdp import choices
 
-    strategies = [s for s in (args.strategies.split(",") if args.strategies else STRATEGIES) if s]
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    strategies = [s for s in (args.strategies.split(",") if args.strategies else choices.STRATEGIES) if s]
+    unknown = [s for s in strategies if s not in choices.STRATEGIES]
     if unknown:
         from jaxdp.strategies import StrategyError
 
-        raise StrategyError(f"unknown strategy {', '.join(unknown)}; registered: {', '.join(STRATEGIES)}")
+        raise StrategyError(f"unknown strategy {', '.join(unknown)}; registered: {', '.join(choices.STRATEGIES)}")
+    if args.preset is not None or args.dry_run:
+        from parity_tests.bench.gpu_preset import run_preset
+        from parity_tests.bench.runner import BenchError
+
+        if args.preset != "gpu":
+            raise BenchError(f"--preset {args.preset!r}: the one preset is gpu" if args.preset else
+                             "--dry-run goes with --preset gpu")
+        return run_preset(args, strategies, lambda result: write(result, args))
+    cfg = _resolve(args)
+    prepare_jax(max(cfg["n"]))
     print(HEADER)
-    result = run_bench(cfg, strategies, with_torch=args.torch, timeout_s=args.timeout,
-                       pipeline_images=args.pipeline_images)
+    write(run_bench(cfg, strategies, with_torch=args.torch, timeout_s=args.timeout,
+                    pipeline_images=args.pipeline_images), args)
+    return 0
+
+
+def write(result: dict, args) -> None:
+    """bench.json, bench.md and the PNG under ``--out``; the Markdown printed too."""
     os.makedirs(args.out, exist_ok=True)
     md = markdown(result) + bare_markdown(result)
     with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
@@ -97,7 +114,6 @@ def run(args) -> int:
     print()
     print(md)
     print(f"\nwrote {os.path.join(args.out, args.tag)}.json, .md, {', '.join(paths)}")
-    return 0
 
 
 BENCH = Command("jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N", add_bench_args, run,
