@@ -10,6 +10,13 @@ from jaxdp.models import create_model
 from jaxdp.strategies import StrategyError
 
 
+def test_the_cpu_default_leaves_convolutions_out_of_ynnpack_and_the_environment_overrides_it(monkeypatch):
+    monkeypatch.delenv("JAXDP_COMPILER_OPTIONS", raising=False)  # conftest turns the default off
+    assert resolve(None, "cpu") == YNN_DOTS_AND_REDUCES and resolve(None, "gpu") is None
+    monkeypatch.setenv("JAXDP_COMPILER_OPTIONS", "none")
+    assert resolve(None, "cpu") is None and resolve(YNN_DOTS_AND_REDUCES, "cpu") == YNN_DOTS_AND_REDUCES
+
+
 def test_parse_and_resolve():
     text = "xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
     assert parse(text) == YNN_DOTS_AND_REDUCES and parse("a=1; b=2") == {"a": "1", "b": "2"}
