@@ -1,7 +1,8 @@
 """The bench's ``bare`` rows: the same model, loss and optimizer with no jaxdp and no DDP code.
 
 - jax: one ``jax.jit`` step of ``value_and_grad`` (softmax cross-entropy, BatchNorm's batch
-  statistics as mutable state) and the optax update, on one device, state donated;
+  statistics as mutable state) and the optax update, on one device, state donated, compiled
+  with the strategies' default compile options (``jaxdp.compile_options``);
 - torch: one eager step (``zero_grad``, forward, ``cross_entropy``, ``backward``,
   ``optimizer.step``) in a fresh process with one intra-op thread, as a torch_ref rank has.
 
@@ -94,6 +95,7 @@ def bare_jax_step(cfg: dict, images: np.ndarray, labels: np.ndarray):
     import jax
     import optax
 
+    from jaxdp import compile_options
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
 
@@ -116,7 +118,10 @@ def bare_jax_step(cfg: dict, images: np.ndarray, labels: np.ndarray):
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
     state = (params, batch_stats, opt_state)
-    run = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*state, x, y).compile()
+    # The strategies' compile options (jaxdp.compile_options' default for the platform), so that
+    # the overhead column compares code, not kernels.
+    options = compile_options.resolve(None, jax.devices()[0].platform)
+    run = jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=options).lower(*state, x, y).compile()
     return run, state, (x, y)
 
 
