@@ -12,7 +12,8 @@ stay in). Measured inside jaxdp's DDP step, one core, interleaved (docs/benchmar
 benchmarks/RESULTS.md): ResNet-18 width 64 0.76x the default's step time at batch 16 and
 0.64x at batch 32. It changes f32 and f64 results by an ulp (other kernels), so the test
 suite (conftest.py) sets ``JAXDP_COMPILER_OPTIONS=none``: its bit-for-bit comparisons
-against plain ``jax.jit`` references keep XLA's own kernels. GPUs get nothing.
+against plain ``jax.jit`` references keep XLA's own kernels. GPUs get nothing, and nor
+does ``dp``: ``jax.pmap`` takes no compile options.
 """
 
 import os
