@@ -22,7 +22,7 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     d = ParityConfig()
     g = p.add_argument_group("pair")
     from jaxdp import choices
-    from jaxdp.flags import add_strategy_flags, deprecated_alias
+    from jaxdp.flags import add_mesh_flag, add_strategy_flags, add_vit_flags, deprecated_alias
 
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(PAIRS), help="jaxdp strategy")
     g.add_argument("--devices", type=int, default=d.devices,
@@ -35,9 +35,7 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
     g.add_argument("--blocks", type=comma_ints, default=d.blocks, help="ResNet: blocks per stage, e.g. 1,1,1,1 or 2,2,2,2")
     g.add_argument("--stem", default=d.stem, metavar=choices.listing(choices.STEMS), help="ResNet stem")
-    for size in ("depth", "dim", "heads", "mlp_dim", "patch"):
-        g.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
-                       help=f"ViT: {size} (default: the named model's)")
+    add_vit_flags(g)
     g.add_argument("--dtype", default=d.dtype, metavar=choices.listing(choices.DTYPES), help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
     g.add_argument("--steps", type=int, default=d.steps, help="updates compared")
     g.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="images per device per update")
