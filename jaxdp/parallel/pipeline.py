@@ -206,7 +206,6 @@ class Pipeline:
         dtype = jnp.result_type(*[b.dtype for b in boundaries[1:]])
         branches = [self._stage_fn(s, boundaries, width, dtype) for s in range(s_count)]
         sums_shape = jax.eval_shape(lambda: per_microbatch(jnp.zeros(out_shape.shape, out_shape.dtype), pick(0)))
-        forward = [(i, i + 1) for i in range(s_count - 1)]
 
         def tick(carry, t):
             received, sums = carry
@@ -217,13 +216,17 @@ class Pipeline:
             result = per_microbatch(out[:, :math.prod(out_shape.shape[1:])].reshape(out_shape.shape)
                                     .astype(out_shape.dtype), pick(m))
             sums = jax.tree_util.tree_map(lambda a, r: a + jnp.where(done, r, jnp.zeros_like(r)), sums, result)
-            return (jax.lax.ppermute(out, self.axis, forward), sums), None
+            return (jax.lax.ppermute(out, self.axis, self.forward_pairs()), sums), None
 
         cast = lambda x: jax.lax.pcast(x, self.varying, to="varying")  # noqa: E731
         start = (cast(jnp.zeros((x0.shape[0], width), dtype)),
                  jax.tree_util.tree_map(lambda r: cast(jnp.zeros(r.shape, r.dtype)), sums_shape))
         (_, sums), _ = jax.lax.scan(tick, start, jnp.arange(m_count + s_count - 1))
         return jax.lax.psum(sums, self.axis)
+
+    def forward_pairs(self):
+        """Where each stage's output goes: stage s -> s + 1 (the last stage's output goes nowhere)."""
+        return [(i, i + 1) for i in range(self.size - 1)]
 
     def microbatched(self, batch, microbatches: int):
         """(B, ...) leaves -> (M, B/M, ...), or one line saying why not."""
@@ -270,13 +273,17 @@ class PipelinedClassifier:
     def loss_fn(self, params, model_state, batch, rng=None):
         from jaxdp.task import loss_and_accuracy
 
-        m = self.pipeline.microbatches
+        m, scale = self.pipeline.microbatches, self.loss_scale()
 
         def scaled(logits, mb):  # each micro-batch's mean, scaled by 1/M: their sum is the batch's mean
             loss, accuracy = loss_and_accuracy(logits, mb["label"])
-            return {"loss": loss / m, "accuracy": accuracy / m}
+            return {"loss": loss * scale, "accuracy": accuracy * scale}
         sums = self.pipeline.run(params, self.pipeline.microbatched(batch, m), lambda mb: mb["image"], scaled)
         return sums["loss"], (model_state, {"accuracy": sums["accuracy"]})
+
+    def loss_scale(self):
+        """Each micro-batch's share of the loss (torch's ``scale_grads=True`` divides by M too)."""
+        return 1.0 / self.pipeline.microbatches
 
     def eval_fn(self, params, model_state, batch):
         from jaxdp.task import eval_sums
