@@ -57,16 +57,22 @@ def assert_trains_alike(run, reference, tol=1e-12):
 
 
 @pytest.fixture(scope="module")
-def variables():
-    with jax.enable_x64(True):  # module fixtures are built before conftest's per-test x64 switch
-        return vit().init(jax.random.key(1), jnp.zeros((1, 16, 16, 3), jnp.float64), train=False)
+def reference():
+    """The start (float64 variables) and the reference run: the whole model and batch on one device.
+    (x64 switched on here: module fixtures are built before conftest's per-test switch.)"""
+    with jax.enable_x64(True):
+        start = vit().init(jax.random.key(1), jnp.zeros((1, 16, 16, 3), jnp.float64), train=False)
+        return start, train(vit(), make_mesh(data=1), start, batches(8))
 
 
 @pytest.fixture(scope="module")
-def one_device(variables):
-    """The reference: the whole model, the whole batch, one device."""
-    with jax.enable_x64(True):
-        return train(vit(), make_mesh(data=1), variables, batches(8))
+def variables(reference):
+    return reference[0]
+
+
+@pytest.fixture(scope="module")
+def one_device(reference):
+    return reference[1]
 
 
 @pytest.mark.float64
@@ -147,3 +153,79 @@ def test_a_batch_that_does_not_split_into_microbatches_is_one_clear_error():
     with pytest.raises(pipeline.PipelineError, match=r"^per-device batch 6 does not split into 4 pipeline "
                                                      r"micro-batches \(--microbatches\)"):
         strategy.step(state, strategy.shard_batch(batch))
+
+
+@pytest.mark.float64
+@pytest.mark.parametrize("first,then", [(("ddp", {"data": 2, "stage": 2}), ("zero1", {"data": 4})),
+                                        (("ddp", {"data": 4}), ("ddp", {"data": 2, "stage": 2}))])
+def test_a_checkpoint_resumes_on_another_mesh(first, then, variables, one_device, tmp_path):
+    """Checkpoints hold the canonical params tree whatever the stages: 1 step on one layout, save,
+    restore into another (a target that builds nothing), 1 more step == 2 steps on one device."""
+    from jaxdp.checkpoint import Checkpointer
+
+    data, tx = batches(8), optax.sgd(0.1, momentum=0.9)
+
+    def make(name, axes):
+        return create_strategy(name, vit(), classifier(vit()), tx, make_mesh(**axes))
+
+    def run(strategy, state, batches_):
+        for batch in batches_:
+            state, _ = strategy.step(state, strategy.shard_batch(batch))
+        return state
+
+    a, ckpt = make(*first), Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(1, a.stored(run(a, a.init_state(variables), data[:1])), {"step": 1})
+    b = make(*then)
+    restored, _ = ckpt.restore(b.stored_target(b.abstract_state(data[0])))
+    got = jax.device_get(b.canonical(run(b, b.from_stored(restored), data[1:])))
+    assert max_rel_error(got.params, one_device[1].params) < 1e-12
+    assert max_rel_error(got.opt_state, one_device[1].opt_state) < 1e-12
+
+
+_BACK_TO_BACK = """
+import jax, numpy as np, optax
+from jaxdp.mesh import make_mesh
+from jaxdp.models.toy import ToyMpModel
+from jaxdp.strategies import create_strategy
+from jaxdp.task import classifier
+
+model = ToyMpModel()
+rng = np.random.default_rng(0)
+batch = {"image": rng.normal(size=(8, 10)).astype(np.float32), "label": rng.integers(0, 5, 8).astype(np.int32)}
+strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.01), make_mesh(data=2, stage=2),
+                           microbatches=2)
+state = strategy.init(jax.random.key(0), batch)
+placed = strategy.shard_batch(batch)
+for _ in range(200):
+    state, metrics = strategy.step(state, placed)  # dispatched back to back: nobody waits here
+print("done", float(metrics["loss"]))
+"""
+
+
+def test_200_steps_dispatched_back_to_back_never_hang():
+    """The stages' ppermutes and the data all-reduce on a 2 x 2 mesh: the XLA:CPU rendezvous
+    trap ``Strategy._one_at_a_time`` guards against (test_tensor_parallel.py has the model axis's)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", _BACK_TO_BACK], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("done "), done.stdout
+
+
+@pytest.mark.parametrize("axes,options,per_device,message", [
+    ({"data": 2, "stage": 2}, {"microbatches": 4, "accum_steps": 2}, 12,
+     r"^6 images per device and accumulation step do not split into 4 pipeline micro-batches: pick a "
+     r"--global-batch-size that is a multiple of 16 or change --microbatches$"),
+    ({"data": 2}, {"microbatches": 2}, 4, r"^--microbatches are pipeline micro-batches: give --mesh a stage axis"),
+])
+def test_train_refuses_microbatches_that_cannot_work_in_one_line(axes, options, per_device, message):
+    from jaxdp.config import TrainConfig, TrainError
+    from jaxdp.train_setup import _pipeline_options
+
+    with pytest.raises(TrainError, match=message):
+        _pipeline_options(TrainConfig(**options), make_mesh(**axes), per_device)
+    assert _pipeline_options(TrainConfig(), make_mesh(data=2, stage=2), 4) == {"microbatches": 2}  # one per stage
