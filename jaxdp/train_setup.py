@@ -62,7 +62,7 @@ def build(cfg: TrainConfig) -> Setup:
     schedule = make_schedule(cfg.schedule, cfg.lr, total, **cfg.schedule_options(steps))
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
-    if "units" in options_of_strategy(cfg.strategy):
+    if "units" in options_of_strategy(cfg.strategy) and not pipeline:  # a stage's vector is its one unit
         options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
     strategy = create_strategy(cfg.strategy, model, classifier(model), tx, mesh, accum_steps=cfg.accum_steps,
                                sync_bn=cfg.sync_bn, seed=cfg.seed, log_grad_norm=True, **options, **pipeline)

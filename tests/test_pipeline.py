@@ -15,7 +15,7 @@ import pytest
 from helpers import max_rel_error, tiny_resnet
 from jaxdp.mesh import make_mesh
 from jaxdp.models.toy import ToyMpModel
-from jaxdp.models.vit import ViT
+from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel import pipeline
 from jaxdp.strategies import StrategyError, create_strategy
 from jaxdp.task import classifier
@@ -78,9 +78,11 @@ def one_device(reference):
 @pytest.mark.float64
 @pytest.mark.parametrize("name,axes,microbatches", [
     ("ddp", {"stage": 2}, 4), ("ddp", {"data": 2, "stage": 2}, 1),
-    ("ddp", {"data": 2, "stage": 2}, 4), ("zero2", {"data": 2, "stage": 2}, 2), ("ddp", {"stage": 4}, 2)])
+    ("ddp", {"data": 2, "stage": 2}, 4), ("zero3", {"data": 2, "stage": 2}, 2), ("ddp", {"stage": 4}, 2)])
 def test_stages_train_as_one_device(name, axes, microbatches, variables, one_device):
-    """stage=4: one layer per stage. zero2: the stages' vectors reduce-scattered over data."""
+    """stage=4: one layer per stage. zero3: the stages' vectors kept as chunks over data and
+    gathered whole (each stage's vector is its one unit), their gradients reduce-scattered.
+    (stage=2 alone with M = 1 is the tutorial model's test below.)"""
     run = train(vit(), make_mesh(**axes), variables, batches(8), name, microbatches=microbatches)
     assert_trains_alike(run, one_device)
 
@@ -102,14 +104,28 @@ def test_an_injected_pipeline_bug_breaks_the_equality(bug, variables, one_device
     assert max_rel_error(run[0][0][1], one_device[0][0][1]) > 0.1  # the first step's grads: far off
 
 
+def toy():
+    return ToyMpModel(dtype=jnp.float64, param_dtype=jnp.float64)
+
+
+@pytest.fixture(scope="module")
+def toy_reference():
+    """The tutorial model's start and its run on one device."""
+    with jax.enable_x64(True):
+        start = toy().init(jax.random.key(0), jnp.zeros((1, 10), jnp.float64))
+        return start, train(toy(), make_mesh(data=1), start, toy_batches())
+
+
+def toy_batches():
+    return batches(8, shape=(10,), classes=5)
+
+
 @pytest.mark.float64
-def test_the_tutorial_model_splits_over_two_stages():
+@pytest.mark.parametrize("axes", [{"stage": 2}, {"data": 2, "stage": 2}])
+def test_the_tutorial_model_splits_over_two_stages(axes, toy_reference):
     """ToyMpModel (the DDP tutorial's Linear(10,10) -> ReLU -> Linear(10,5)): net1 on stage 0, net2 on stage 1."""
-    model = ToyMpModel(dtype=jnp.float64, param_dtype=jnp.float64)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 10), jnp.float64))
-    data = batches(8, shape=(10,), classes=5)
-    assert_trains_alike(train(model, make_mesh(data=2, stage=2), variables, data, microbatches=1),
-                        train(model, make_mesh(data=1), variables, data))
+    start, reference = toy_reference
+    assert_trains_alike(train(toy(), make_mesh(**axes), start, toy_batches(), microbatches=1), reference)
 
 
 def test_stacking_round_trips_and_puts_each_layer_on_its_stage(variables):
@@ -136,6 +152,8 @@ def test_stacking_round_trips_and_puts_each_layer_on_its_stage(variables):
      r"^microbatches are pipeline micro-batches: they need a mesh with a stage axis$"),
     (lambda: vit(jnp.float32), {"data": 1, "stage": 8}, {},
      r"^a model of 4 pipeline layers cannot fill 8 stages$"),
+    (lambda: vit(jnp.float32), {"data": 2, "stage": 2}, {"name": "zero3", "units": (EncoderBlock,)},
+     r"^zero3 units are gathered module by module; on pipeline stages each stage's params are one vector"),
 ])
 def test_what_cannot_pipeline_is_one_clear_error(make, axes, options, message):
     model, options = make(), dict(options)
@@ -145,10 +163,11 @@ def test_what_cannot_pipeline_is_one_clear_error(make, axes, options, message):
 
 
 def test_a_batch_that_does_not_split_into_microbatches_is_one_clear_error():
-    model = vit(jnp.float32)
+    model = ToyMpModel()
     strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=2, stage=2),
                                microbatches=4)
-    batch = {k: v.astype(np.float32) if k == "image" else v for k, v in batches(12, steps=1)[0].items()}
+    batch = {k: v.astype(np.float32) if k == "image" else v
+             for k, v in batches(12, steps=1, shape=(10,), classes=5)[0].items()}
     state = strategy.init(jax.random.key(0), batch)
     with pytest.raises(pipeline.PipelineError, match=r"^per-device batch 6 does not split into 4 pipeline "
                                                      r"micro-batches \(--microbatches\)"):
@@ -158,15 +177,15 @@ def test_a_batch_that_does_not_split_into_microbatches_is_one_clear_error():
 @pytest.mark.float64
 @pytest.mark.parametrize("first,then", [(("ddp", {"data": 2, "stage": 2}), ("zero1", {"data": 4})),
                                         (("ddp", {"data": 4}), ("ddp", {"data": 2, "stage": 2}))])
-def test_a_checkpoint_resumes_on_another_mesh(first, then, variables, one_device, tmp_path):
+def test_a_checkpoint_resumes_on_another_mesh(first, then, toy_reference, tmp_path):
     """Checkpoints hold the canonical params tree whatever the stages: 1 step on one layout, save,
     restore into another (a target that builds nothing), 1 more step == 2 steps on one device."""
     from jaxdp.checkpoint import Checkpointer
 
-    data, tx = batches(8), optax.sgd(0.1, momentum=0.9)
+    (variables, (_, want)), data, tx = toy_reference, toy_batches(), optax.sgd(0.1, momentum=0.9)
 
     def make(name, axes):
-        return create_strategy(name, vit(), classifier(vit()), tx, make_mesh(**axes))
+        return create_strategy(name, toy(), classifier(toy()), tx, make_mesh(**axes))
 
     def run(strategy, state, batches_):
         for batch in batches_:
@@ -178,8 +197,8 @@ def test_a_checkpoint_resumes_on_another_mesh(first, then, variables, one_device
     b = make(*then)
     restored, _ = ckpt.restore(b.stored_target(b.abstract_state(data[0])))
     got = jax.device_get(b.canonical(run(b, b.from_stored(restored), data[1:])))
-    assert max_rel_error(got.params, one_device[1].params) < 1e-12
-    assert max_rel_error(got.opt_state, one_device[1].opt_state) < 1e-12
+    assert max_rel_error(got.params, want.params) < 1e-12
+    assert max_rel_error(got.opt_state, want.opt_state) < 1e-12
 
 
 _BACK_TO_BACK = """
