@@ -46,6 +46,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
     add_mesh_flag(g, d.mesh, what="model parallelism beside the data-parallel strategy")
+    g.add_argument("--microbatches", type=int, default=d.microbatches,
+                   help="pipeline micro-batches per device and update, with a stage axis in --mesh "
+                        "(default: the stage count)")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="devices to use (default: all). On a CPU-only machine --devices N simulates N devices"
                         " (any N >= 1), unless XLA_FLAGS already sets --xla_force_host_platform_device_count,"

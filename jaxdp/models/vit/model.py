@@ -50,6 +50,7 @@ class _Layers(nn.Module):
     param_dtype: Any = jnp.float32
     model_axis: Optional[str] = None
 
+    @nn.nowrap  # a factory, also called outside the module (the pipeline plan)
     def dense(self, features, fan_in, name, row_parallel: bool = False):
         summed = row_parallel and self.model_axis is not None
         return nn.Dense(
@@ -67,6 +68,7 @@ class _Layers(nn.Module):
     def common(self):
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, model_axis=self.model_axis)
 
+    @nn.nowrap  # a factory, also called outside the module (the pipeline plan)
     def norm(self, name):
         return nn.LayerNorm(
             epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=self.dtype,
@@ -196,14 +198,30 @@ class ViT(_Layers):
         tokens = 1 + (self.image_size // self.patch) ** 2
         cls = self.param("cls_token", nn.initializers.zeros, (1, 1, self.dim), self.param_dtype)
         pos = self.param("pos_embed", pos_embed_init, (1, tokens, self.dim), self.param_dtype)
-        cls = jnp.broadcast_to(cls.astype(self.dtype), (x.shape[0], 1, self.dim))
-        x = jnp.concatenate([cls, x], axis=1) + pos.astype(self.dtype)
+        x = with_tokens(x, cls, pos, self.dtype)
         x = Blocks(depth=self.depth, dim=self.dim, heads=self.heads, mlp_dim=self.mlp_dim,
                    name="blocks", **self.common)(x, train)
-        x = self.norm("norm")(x)[:, 0]
-        x = self.dense(self.num_classes, self.dim, "head")(x)
+        return self.classify(self.norm("norm"), self.dense(self.num_classes, self.dim, "head"), x)
+
+    @nn.nowrap
+    def classify(self, norm, head, x):
+        """The class token's logits: ``norm`` and ``head`` are the final LayerNorm and Dense."""
+        x = head(norm(x)[:, 0])
         # Logits leave the model in at least float32 so the loss is never bf16.
         return x.astype(jnp.promote_types(self.dtype, jnp.float32))
+
+    @nn.nowrap
+    def pipeline_layers(self):
+        """The ordered layers pipeline stages cut (``jaxdp.parallel.pipeline``): ``pipeline.py`` beside this file."""
+        from jaxdp.models.vit.pipeline import layers
+
+        return layers(self)
+
+
+def with_tokens(patches, cls, pos, dtype):
+    """The class token prepended to the patch tokens, plus the position embeddings."""
+    cls = jnp.broadcast_to(cls.astype(dtype), (patches.shape[0], 1, cls.shape[-1]))
+    return jnp.concatenate([cls, patches], axis=1) + pos.astype(dtype)
 
 
 # The module classes jaxdp's FSDP / ZeRO-3 treat as units (torch_ref fully_shards the same).
