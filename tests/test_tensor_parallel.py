@@ -5,16 +5,13 @@ the averaged gradients, the params and the optimizer state after each step. And 
 Megatron collectives must be the ones the design promises, counted in the compiled step.
 """
 
-import re
-from collections import Counter
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from helpers import max_rel_error
+from helpers import canonical_history, max_rel_error, step_collectives_by_axis
 from jaxdp.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel.tensor import Column, TensorParallel
@@ -41,12 +38,7 @@ def train(name, mesh, variables, data, **options):
     model = vit()
     tx = optax.sgd(0.1, momentum=0.9)
     strategy = create_strategy(name, model, classifier(model), tx, mesh, return_grads=True, **options)
-    state = strategy.init_state(variables)
-    history = []
-    for batch in data:
-        state, metrics = strategy.step(state, strategy.shard_batch(batch))
-        history.append((float(metrics["loss"]), jax.device_get(strategy.canonical_grads(metrics["grads"]))))
-    return history, jax.device_get(strategy.canonical(state))
+    return canonical_history(strategy, variables, data)
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +74,7 @@ def model_axis_collectives(name, mesh):
     model = vit(jnp.float32)
     strategy = create_strategy(name, model, classifier(model), optax.sgd(0.1), mesh, **OPTIONS[name])
     batch = batches(8, steps=1)[0]
-    batch = {"image": batch["image"].astype(np.float32), "label": batch["label"]}
-    state = strategy.init(jax.random.key(0), batch)
-    hlo = strategy.lower_step(state, strategy.shard_batch(batch)).compile().as_text()
-    model_groups = "{" + ",".join("{" + ",".join(str(d.id) for d in row) + "}" for row in mesh.devices) + "}"
-    counts = Counter()
-    for line in hlo.splitlines():
-        op = re.search(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)
-        if op:
-            groups = re.search(r"replica_groups=(\{\{[\d,{}]*\}\})", line)
-            counts[(op.group(1), "model" if groups and groups.group(1) == model_groups else "data")] += 1
-    return counts
+    return step_collectives_by_axis(strategy, {"image": batch["image"].astype(np.float32), "label": batch["label"]})
 
 
 def test_megatron_layers_all_reduce_once_forward_and_once_backward():

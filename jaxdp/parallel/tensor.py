@@ -60,14 +60,15 @@ class Row:
 
 
 @functools.lru_cache(maxsize=None)
-def summed_over(axis: str):
-    """A ``dot_general`` for ``flax.linen.Dense(dot_general=...)`` that all-reduces its
-    product over ``axis``: the row-parallel layer. Dense adds its bias after it, once.
+def summed_over(axis: str, op=jax.lax.dot_general):
+    """``op`` (``dot_general`` for ``flax.linen.Dense(dot_general=...)``, or
+    ``conv_general_dilated`` for ``nn.Conv(conv_general_dilated=...)``) with its product
+    all-reduced over ``axis``: the row-parallel layer. The layer adds its bias after it, once.
     Cached, so that two modules built for the same axis compare equal."""
 
-    def dot_general(*args, **kwargs):
-        return jax.lax.psum(jax.lax.dot_general(*args, **kwargs), axis)
-    return dot_general
+    def summed(*args, **kwargs):
+        return jax.lax.psum(op(*args, **kwargs), axis)
+    return summed
 
 
 def model_axis_size(axis: Optional[str]) -> int:
