@@ -42,14 +42,14 @@ def parallelize_vit(model, tp_mesh) -> None:
     tp = tp_mesh.size()
     for block in model.blocks:
         attn = block.attn
-        if attn.heads % tp:
-            raise ValueError(f"{attn.heads} heads do not split over tp={tp}")
-        with torch.no_grad():
-            attn.qkv.weight.copy_(group_rows(attn.qkv.weight, tp))
-            attn.qkv.bias.copy_(group_rows(attn.qkv.bias, tp))
-        parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                                            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
-        attn.heads //= tp
+        plan = {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        if attn.heads % tp == 0:  # else attention stays whole on every rank, as jaxdp's tp_plan does
+            with torch.no_grad():
+                attn.qkv.weight.copy_(group_rows(attn.qkv.weight, tp))
+                attn.qkv.bias.copy_(group_rows(attn.qkv.bias, tp))
+            plan.update({"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()})
+            attn.heads //= tp
+        parallelize_module(block, tp_mesh, plan)
 
 
 def dtensor_layouts(model) -> Dict[str, tuple]:
@@ -67,7 +67,7 @@ def canonical(name: str, t: torch.Tensor, tp: int, layouts: Mapping[str, tuple])
     if not isinstance(t, DTensor) and name in layouts:  # a local shard of a tensor-parallel param
         t = DTensor.from_local(t, *layouts[name], run_check=False)
     t = t.full_tensor() if isinstance(t, DTensor) else t
-    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+    if name in layouts and name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # split, so regrouped
         t = group_rows(t, tp, to_rank_order=False)
     return t.detach().cpu().numpy().copy()
 
