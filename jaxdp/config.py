@@ -95,18 +95,15 @@ def mesh_devices(cfg: TrainConfig) -> Optional[int]:
     unknown axis, or whose sizes do not multiply to ``--devices``, is one line."""
     if cfg.mesh is None:
         return cfg.devices
-    from jaxdp.mesh import MeshError, parse_mesh  # jax-free at import
+    from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
 
     try:
-        sizes = parse_mesh(cfg.mesh)
+        sizes = mesh_sizes(cfg.mesh, cfg.devices)
     except MeshError as e:
         raise TrainError(str(e)) from None
     total = 1
     for size in sizes.values():
         total *= size
-    if cfg.devices is not None and cfg.devices != total:
-        raise TrainError(f"--mesh {cfg.mesh} holds {total} devices but --devices is {cfg.devices}: drop --devices "
-                         "or make them agree")
     return total
 
 

@@ -32,3 +32,19 @@ def test_bench_smoke(tmp_path, capsys):
     # DDP's all-reduce of the f32 params: measured ring bytes within 5% of 2(N-1)/N·4Ψ (plus BN/metrics).
     assert abs(j["collectives"]["ring_bytes"] / j["traffic_formula_bytes"] - 1) < 0.05
     assert result["environment"]["loadavg"] and result["pipeline"]["images_per_s"] > 0
+
+
+def test_bench_mesh_layout_row_has_traffic_per_axis(tmp_path):
+    """--mesh data=2,model=2: one jaxdp row, its model-axis traffic the Megatron formula, data DDP's."""
+    out = tmp_path / "layouts"
+    rc = main(["bench", "--mesh", "data=2,model=2", "--strategies", "ddp", "--model", "vit-tiny", "--depth", "1",
+               "--dim", "16", "--heads", "4", "--mlp-dim", "32", "--patch", "8", "--global-batch-size", "4",
+               "--steps", "1", "--warmup", "0", "--out", str(out), "--tag", "mesh"])
+    assert rc == 0
+    (row,) = json.loads((out / "mesh.json").read_text())["rows"]
+    assert row["mesh"] == {"data": 2, "model": 2} and row["bubble"] is None
+    axes = row["jaxdp"]["axes"]
+    assert set(axes["traffic"]) == {"data", "model"}
+    assert axes["traffic"]["model"]["ring_bytes"] == axes["traffic_formula"]["model"] > 0
+    assert abs(axes["traffic"]["data"]["ring_bytes"] / axes["traffic_formula"]["data"] - 1) < 0.01
+    assert "| ddp | data=2,model=2 |" in (out / "mesh.md").read_text()

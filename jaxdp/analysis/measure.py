@@ -13,7 +13,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxdp.analysis.axes import axis_report
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
+from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.analysis.state import (extra_formula, formula_bytes, kept_grad_bytes, padded_count, root_params,
                                   state_bytes, strategy_traffic_formula)
 
@@ -25,15 +27,18 @@ class InspectError(ValueError):
 def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int = 64,
                      blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
                      dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
-                     mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0) -> dict:
+                     mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0,
+                     mesh: Optional[dict] = None, vit: Optional[dict] = None) -> dict:
     """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
-    starts) for a freshly initialised model, and ``measure`` it. ``options``: the strategy's
-    own (``allreduce``, ``compress``, ``powersgd_rank``, ``staleness``); zero3 and hsdp get
-    the model's FSDP units (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``."""
+    starts), or on the named ``mesh`` (``{"data": 2, "model": 2}``), for a freshly initialised
+    model, and ``measure`` it. ``options``: the strategy's own (``allreduce``, ``compress``,
+    ``powersgd_rank``, ``staleness``); zero3 and hsdp get the model's FSDP units
+    (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``. ``vit``: a ViT's sizes
+    (depth, dim, heads, mlp_dim, patch)."""
     import jax
 
     from jaxdp.mesh import make_mesh
-    from jaxdp.models import create_model
+    from jaxdp.models import create_model, family
     from jaxdp.optim import make_optimizer
     from jaxdp.strategies import create_strategy, options_of
     from jaxdp.task import classifier
@@ -42,12 +47,14 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
     if dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
+    sizes = dict(vit or {}, **({"image_size": image_size} if family(model) == "vit" else {}))
+    net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype, **sizes)
     check_batchnorm_has_values(net, batch_per_device, image_size)
     lr = 0.1 if optimizer == "sgd" else 1e-3
     tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
     options = dict(options or {}, **({"mesh_shape": mesh_shape} if name == "hsdp" else {}))
-    strategy = create_strategy(name, net, classifier(net), tx, make_mesh(n), **fsdp_options(name, net, options))
+    devices = make_mesh(**mesh) if mesh else make_mesh(n)
+    strategy = create_strategy(name, net, classifier(net), tx, devices, **fsdp_options(name, net, options))
     rng = np.random.default_rng(seed)
     global_batch = batch_per_device * strategy.num_devices
     batch = {"image": rng.normal(size=(global_batch, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
@@ -107,7 +114,9 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
     strategy.learn_structure(batch)
     if state is None:
         state = strategy.init(jax.random.key(seed), batch) if variables is None else strategy.init_state(variables)
-    params = strategy.shapes  # the full params' shapes and dtypes
+    # What one device of the model axis holds (the full params without one): the ZeRO table
+    # and the data-parallel traffic apply to it (Ψ_local; jaxdp.analysis.axes).
+    params = strategy.local_shapes
     leaves = jax.tree_util.tree_leaves(params)
     psi = int(sum(np.prod(x.shape) for x in leaves))
     p = int(np.dtype(leaves[0].dtype).itemsize)
@@ -124,23 +133,28 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
     measured = state_bytes(state, strategy, params)
     measured["grads"] = kept_grad_bytes(strategy, state, sharded)
     formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
-    mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.devices.ndim == 2 else None
+    mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.axis_names == (REPLICA_AXIS, DATA_AXIS) else None
+    psi_full = int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(strategy.shapes)))
     report = {
         "strategy": strategy.name, "devices": strategy.num_devices, "mesh_shape": mesh_shape, "shards": shards,
-        "psi": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
+        "mesh": {name: int(size) for name, size in strategy.mesh.shape.items()},
+        "psi": psi_full, "psi_local": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
         "opt_bytes_per_param": k,
         "batch_per_device": int(images.shape[0]) // strategy.num_devices, "image_size": images.shape[-2],
         "state": {"measured": measured, "formula": formula["exact"], "formula_padded": formula["padded"]},
         "traffic_formula_bytes": strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape,
                                                           root_pad or 0),
     }
+    devices = strategy.mesh.devices.size  # every device of the mesh, model and stage axes too
     if compile:
         lowered = strategy.lower_step(state, sharded)
         compiled = lowered.compile()
         report["memory"] = compiled_memory(compiled)
-        report["collectives"] = parse_collectives(compiled.as_text(), strategy.num_devices)
+        report["collectives"] = parse_collectives(compiled.as_text(), devices)
         # The program as written, before XLA's passes: XLA:CPU promotes a bf16 all-reduce to f32
         # (measured: 2x the bytes for --compress bf16; fp16 stays 2 bytes).
-        written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), strategy.num_devices)
+        written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), devices)
         report["ring_bytes_as_written"] = written["ring_bytes"]
+    report["axes"] = axis_report(strategy, report.get("collectives"), report.get("memory", {}).get("temp"), k,
+                                 report["batch_per_device"], report["traffic_formula_bytes"])
     return report

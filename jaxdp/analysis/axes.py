@@ -1,0 +1,193 @@
+"""Per mesh axis: which axes each piece of state is cut over, and which axis each collective runs over.
+
+On a mesh such as ``data=2 x model=2`` (``jaxdp inspect --mesh data=2,model=2``):
+
+- **state**: every params leaf is placed by the strategy's ``Placement`` (tensor parallelism's
+  cut over ``model``, then ZeRO's over ``data`` for the parts ``facts.sharded`` names); its
+  bytes per device are its state shape over the sizes of the axes its PartitionSpec names.
+  Grouped by those axes ("-": replicated, "model", "data", "data+model"), per part (params,
+  grads, optimizer state: the optimizer's K bytes per param are placed as the params).
+- **traffic**: each collective's replica groups (or a collective-permute's source/target
+  pairs) are compared with the groups every subset of the mesh's axes forms, in XLA's
+  logical device numbering (the mesh's devices in row-major order), so an all-reduce
+  over ``[[0,1],[2,3]]`` on ``data=2 x model=2`` is a ``model`` op.
+- **activations**: the compiled step's temp bytes (``memory_analysis``), per device.
+
+Formulas (checked in tests/test_inspect.py; docs/strategies.md). Ψ_rep: params whole on every
+model device (ViT: patch embedding, tokens, LayerNorms, head); Ψ_split: params cut over
+``model`` (qkv, proj, fc1, fc2); M, N: the model and data axis sizes.
+
+- params per device: p·Ψ_local with **Ψ_local = Ψ_rep + Ψ_split/M** (what one model device
+  holds); the ZeRO table then applies to Ψ_local over N (zero3: p·Ψ_local/N).
+- data axis: the strategy's own traffic formula over Ψ_local (DDP: 2(N-1)/N·p·Ψ_local, the
+  all-reduce of the device's grads).
+- model axis (Megatron, ``jaxdp.parallel.tensor``): per layer pair (attention qkv->proj, MLP
+  fc1->fc2) one all-reduce of the B·T·d activations in forward and one of their gradient in
+  backward: ``megatron_traffic`` = 2 pairs · depth · 2 (fwd, bwd) · 2(M-1)/M · B·T·d·b,
+  B images per data rank, T tokens, d the width, b bytes per activation value.
+- stage axis: ``pipeline_accounting`` (a hook, empty until pipelining lands).
+
+Nothing here imports jax at module level.
+"""
+
+import itertools
+from typing import Optional
+
+import numpy as np
+
+REPLICATED = "-"
+
+
+def _label(axes) -> str:
+    return "+".join(axes) if axes else REPLICATED
+
+
+# ----------------------------------------------------------------------------- traffic
+
+def axis_groups(shape, names, axes) -> frozenset:
+    """The device groups a collective over ``axes`` has on a mesh of ``shape``/``names``,
+    in logical device numbers (row-major positions in the mesh)."""
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    dims = [list(names).index(a) for a in axes]
+    moved = np.moveaxis(ids, dims, list(range(len(shape) - len(dims), len(shape))))
+    return frozenset(frozenset(g) for g in moved.reshape(-1, int(np.prod([shape[d] for d in dims]))).tolist())
+
+
+def axes_of_groups(groups, shape, names) -> str:
+    """The mesh axes whose groups are ``groups`` ("-" for groups of one device, "?" if none match)."""
+    if groups is None or max(len(g) for g in groups) == 1:
+        return REPLICATED
+    want = frozenset(frozenset(g) for g in groups)
+    cut = [a for a, s in zip(names, shape) if s > 1]
+    for k in range(1, len(cut) + 1):
+        for axes in itertools.combinations(cut, k):
+            if axis_groups(shape, names, axes) == want:
+                return _label(axes)
+    return "?"
+
+
+def axes_of_pairs(pairs, shape, names) -> str:
+    """The mesh axes along which a collective-permute's source and target differ."""
+    moved = set()
+    for src, dst in pairs:
+        a, b = np.unravel_index(src, shape), np.unravel_index(dst, shape)
+        moved.update(names[d] for d in range(len(shape)) if a[d] != b[d])
+    return _label([n for n in names if n in moved])
+
+
+def traffic_by_axis(collectives: dict, shape, names) -> dict:
+    """``parse_collectives``' ops regrouped per mesh axis: {axes: {"count", "ring_bytes", "ops": {kind: ring}}}."""
+    out = {}
+    for kind, o in collectives["ops"].items():
+        for g in o["by_groups"]:
+            label = axes_of_pairs(g["pairs"], shape, names) if "pairs" in g else axes_of_groups(g["groups"], shape,
+                                                                                                 names)
+            entry = out.setdefault(label, {"count": 0, "ring_bytes": 0.0, "ops": {}})
+            entry["count"] += g["count"]
+            entry["ring_bytes"] += g["ring_bytes"]
+            entry["ops"][kind] = entry["ops"].get(kind, 0.0) + g["ring_bytes"]
+    return out
+
+
+# ----------------------------------------------------------------------------- state
+
+def spec_axes(spec) -> tuple:
+    """The mesh axes a PartitionSpec cuts over, each once, in the order they appear."""
+    axes = []
+    for entry in spec:
+        for a in (entry if isinstance(entry, tuple) else (entry,)):
+            if a is not None and a not in axes:
+                axes.append(a)
+    return tuple(axes)
+
+
+def state_by_axes(strategy, opt_bytes_per_param: int) -> dict:
+    """{part: {axes: {"params": canonical count, "bytes": per device}}} for params, grads and opt,
+    from the strategy's placement: each part is ZeRO-cut where ``facts.sharded`` says so."""
+    import jax
+
+    from jaxdp.parallel.tensor import path_name
+
+    place, mesh, sharded = strategy.placement, strategy.mesh, strategy.facts.sharded
+    out = {"params": {}, "grads": {}, "opt": {}}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(strategy.shapes):
+        name = "params/" + path_name(path)
+        p = np.dtype(leaf.dtype).itemsize
+        for part in out:
+            zero = part in sharded
+            axes = [a for a in spec_axes(place.spec(name, leaf.shape, zero)) if mesh.shape[a] > 1]
+            cut = int(np.prod([mesh.shape[a] for a in axes]))
+            per_value = opt_bytes_per_param if part == "opt" else p
+            entry = out[part].setdefault(_label(sorted(axes, key=list(mesh.axis_names).index)),
+                                         {"params": 0, "bytes": 0})
+            entry["params"] += int(np.prod(leaf.shape))
+            entry["bytes"] += int(np.prod(place.state_shape(name, leaf.shape, zero))) * per_value // cut
+    return out
+
+
+def split_counts(strategy) -> dict:
+    """Ψ_rep (params whole on every model device), Ψ_split (cut over ``model``) and
+    Ψ_local = Ψ_rep + Ψ_split/M, from the strategy's tensor-parallel plan."""
+    import jax
+
+    from jaxdp.parallel.tensor import path_name
+
+    tp = strategy.tp
+    split = 0
+    if tp is not None:
+        split = sum(int(np.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(strategy.shapes)
+                    if tp.dim("params/" + path_name(path), x.shape) is not None)
+    total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(strategy.shapes))
+    m = 1 if tp is None else tp.size
+    return {"psi_rep": total - split, "psi_split": split, "psi_local": total - split + split // m}
+
+
+# ----------------------------------------------------------------------------- formulas
+
+def megatron_traffic(model_size: int, batch: int, tokens: int, dim: int, depth: int, value_bytes: int) -> float:
+    """Model-axis ring bytes per device per step of a Megatron transformer: per block two layer
+    pairs, each one all-reduce of B·T·d values forward and one backward, 2(M-1)/M·S each."""
+    m = model_size
+    return 2 * depth * 2 * 2 * (m - 1) / m * batch * tokens * dim * value_bytes
+
+
+def model_axis_formula(strategy, batch_per_rank: int) -> Optional[float]:
+    """``megatron_traffic`` for the strategy's model when it is a tensor-parallel ViT (None otherwise)."""
+    net, tp = strategy.init_model, strategy.tp
+    if tp is None or not all(hasattr(net, a) for a in ("dim", "depth", "patch", "image_size")):
+        return None
+    tokens = 1 + (net.image_size // net.patch) ** 2
+    return megatron_traffic(tp.size, batch_per_rank, tokens, net.dim, net.depth, np.dtype(net.dtype).itemsize)
+
+
+def pipeline_accounting(strategy, batch_per_rank: int) -> Optional[dict]:
+    """HOOK for pipeline stages (``jaxdp/parallel/pipeline.py``), None without a stage axis.
+
+    To fill once pipelining lands, from the strategy's schedule (S stages, m micro-batches of
+    activations a bytes each at a stage boundary): activations in flight per stage (GPipe: m,
+    1F1B: up to S) x a; stage-axis traffic, (S-1) activation sends per micro-batch forward and
+    as many gradient sends backward: 2(S-1)·m·a bytes over the pipeline, 2·m·a for a middle
+    stage's device; the bubble (S-1)/(m+S-1). A strategy that pipelines defines
+    ``pipeline_accounting(batch_per_rank) -> dict`` with those keys; this returns it.
+    """
+    from jaxdp.mesh import STAGE_AXIS, axis_size
+
+    stages = axis_size(strategy.mesh, STAGE_AXIS)
+    if stages == 1:
+        return None
+    own = getattr(strategy, "pipeline_accounting", None)
+    return own(batch_per_rank) if own is not None else {"stages": stages, "accounted": False}
+
+
+def axis_report(strategy, collectives: Optional[dict], temp_bytes: Optional[int], opt_bytes_per_param: int,
+                batch_per_rank: int, data_formula: Optional[float]) -> dict:
+    """Everything above for one strategy on its mesh, as ``measure`` adds it under "axes"."""
+    mesh = strategy.mesh
+    shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
+    report = {"mesh": {n: int(s) for n, s in zip(names, shape)}, **split_counts(strategy),
+              "state": state_by_axes(strategy, opt_bytes_per_param), "activations": temp_bytes,
+              "traffic_formula": {"data": data_formula, "model": model_axis_formula(strategy, batch_per_rank)},
+              "pipeline": pipeline_accounting(strategy, batch_per_rank)}
+    if collectives is not None:
+        report["traffic"] = traffic_by_axis(collectives, shape, names)
+    return report
