@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxdp.models.resnet import linear_bias_init, linear_kernel_init
-from jaxdp.models.vit.parallel import TP_PLAN  # noqa: F401 - found beside the model by jaxdp.parallel.tensor
+# tp_plan is found here, beside the model's class, by jaxdp.parallel.tensor.
+from jaxdp.models.vit.parallel import attention_splits, tp_plan  # noqa: F401
 from jaxdp.parallel.tensor import model_axis_size, summed_over
 
 # timm and torchvision ViTs use 1e-6 (torch's nn.LayerNorm default is 1e-5); the
@@ -125,7 +126,10 @@ class EncoderBlock(_Layers):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        x = x + Attention(dim=self.dim, heads=self.heads, name="attn", **self.common)(self.norm("norm1")(x))
+        # Heads that do not divide by the model axis: attention runs whole on every model device.
+        attn_axis = self.model_axis if attention_splits(self.heads, self.split) else None
+        x = x + Attention(dim=self.dim, heads=self.heads, name="attn", **{**self.common, "model_axis": attn_axis})(
+            self.norm("norm1")(x))
         return x + Mlp(dim=self.dim, mlp_dim=self.mlp_dim, name="mlp", **self.common)(self.norm("norm2")(x))
 
 
@@ -182,10 +186,16 @@ class ViT(_Layers):
 
     def check_model_split(self, size: int):
         """Why this ViT cannot run tensor-parallel over ``size`` devices, or None if it can."""
-        if self.heads % size or self.mlp_dim % size:
-            return (f"a ViT with {self.heads} heads and MLP width {self.mlp_dim} cannot be split over model={size}: "
-                    "both must divide by it")
+        if self.mlp_dim % size:
+            return f"a ViT with MLP width {self.mlp_dim} cannot be split over model={size}: it must divide by it"
         return None
+
+    def model_split_note(self, size: int):
+        """What the user should know about this ViT's split over ``size`` devices, or None."""
+        if attention_splits(self.heads, size):
+            return None
+        return (f"{self.heads} attention heads do not split over model={size}: attention stays whole on every "
+                "model device, only the MLP is split")
 
     @nn.compact
     def __call__(self, x, train: bool = True):
