@@ -95,6 +95,10 @@ def jax_model(cfg: TPConfig):
 
     if cfg.family == "resnet":
         model = create_model(dtype="float64", **cfg.resnet)
+    elif cfg.family == "toy":  # the DDP tutorial's model (parity_tests.pipeline_parallel)
+        from jaxdp.models.toy import ToyMpModel
+
+        return ToyMpModel(dtype=jnp.float64, param_dtype=jnp.float64), ()  # one unit per stage: no zero3 units
     else:
         model = ViT(**cfg.vit, dtype=jnp.float64, param_dtype=jnp.float64)
     return model, fsdp_units(model)
@@ -136,11 +140,13 @@ def injected(bug: Optional[str]):
             m.summed_over = original
 
 
-def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None, bug: Optional[str] = None):
-    """jaxdp's records; ``mesh_axes`` defaults to ``data x model`` ({"data": 1}: one device)."""
+def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None, bug: Optional[str] = None,
+            options: Optional[dict] = None):
+    """jaxdp's records; ``mesh_axes`` defaults to ``data x model`` ({"data": 1}: one device);
+    ``options``: more of the strategy's (a pipeline's ``microbatches``)."""
     import jax
 
-    from jaxdp.interop import tree_to_torch_names, variables_from_state_dict
+    from jaxdp.interop import tree_to_torch_names
     from jaxdp.mesh import make_mesh
     from jaxdp.strategies import create_strategy
     from jaxdp.task import classifier
@@ -149,10 +155,10 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
     name = cfg.strategy if axes != {"data": 1} else "ddp"
     with jax.enable_x64(True), injected(bug):
         model, units = jax_model(cfg)
-        options = {"units": units} if name == "zero3" else {}
+        options = {**({"units": units} if name == "zero3" else {}), **(options or {})}
         strategy = create_strategy(name, model, classifier(model), jax_optimizer(cfg), make_mesh(**axes),
                                    return_grads=True, **options)
-        state = strategy.init_state(variables_from_state_dict(state_dict, dtype="float64"))
+        state = strategy.init_state(_variables(cfg, model, state_dict))
         records = []
         for images, labels in batches:
             batch = {"image": images.reshape(-1, *images.shape[2:]), "label": labels.reshape(-1).astype(np.int32)}
@@ -167,6 +173,21 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
             if axes["data"] == len(images):  # one loss per data rank, as torch's dp ranks report
                 records[-1]["loss_per_rank"] = [float(x) for x in np.asarray(metrics["loss_per_device"])]
     return records
+
+
+def _variables(cfg: TPConfig, model, state_dict):
+    """jaxdp's float64 variables from a torch ``state_dict`` (the toy's through its params' names)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.interop import tree_from_torch_names, variables_from_state_dict
+
+    if cfg.family != "toy":
+        return variables_from_state_dict(state_dict, dtype="float64")
+    from jaxdp.models.toy import IN_FEATURES
+
+    like = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, IN_FEATURES), jnp.float64))
+    return {"params": tree_from_torch_names(state_dict, like["params"])}
 
 
 def run_torch(cfg: TPConfig, state_dict, batches) -> List[dict]:
