@@ -28,8 +28,11 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(PAIRS), help="jaxdp strategy")
     g.add_argument("--devices", type=int, default=None,
                    help=f"jaxdp devices = torch ranks (on CPU the devices are simulated; default {d.devices})")
-    add_mesh_flag(g, what="data=N, or data=N,model=M: tensor-parallel parity of a ViT against torch's "
-                          "parallelize_module (parity_tests.layouts)")
+    add_mesh_flag(g, what="data=N; data=N,model=M: tensor-parallel parity of a ViT or ResNet against its torch "
+                          "twin; data=N,stage=S: pipeline parity of a ViT against torch's ScheduleGPipe "
+                          "(parity_tests.layouts)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline micro-batches per device with a stage axis in --mesh (default: the stage count)")
     add_strategy_flags(g, d, sync_bn_help="global BN statistics (torch: see the pair table)",
                        staleness_help="async: only 0 has a torch twin")
     deprecated_alias(g, "--accum", "--accum-steps", dest="accum_steps", type=int)
@@ -92,11 +95,9 @@ def cmd_parity(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         simulate_cpu_devices(cfg.devices)  # before jax starts; a no-op once XLA_FLAGS fixes the count
         sizes = parse_mesh(cfg.mesh) if cfg.mesh else {"data": cfg.devices}
-        layout = layouts.layout_of(sizes)
-        if layout == "stage":
-            layouts.refuse_stages(cfg, sizes)
-        if layout == "data x model":
-            return layouts.run_tensor_parallel(cfg, sizes, args.out, args.inject_bug)
+        layout = layouts.layout_of(sizes, cfg.microbatches)
+        if layout in layouts.RUNNERS:
+            return layouts.RUNNERS[layout](cfg, sizes, args.out, args.inject_bug)
         result = runner.run_parity(cfg, bug=args.inject_bug)
     except (ParityError, MeshError, StrategyError) as e:
         print(f"jaxdp parity: error: {e}", file=sys.stderr)

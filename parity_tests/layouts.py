@@ -1,11 +1,11 @@
 """``jaxdp parity --mesh``: which parity runs on which mesh layout.
 
 - ``data=N`` (alone): the ordinary parity run on N devices (``runner.run_parity``);
-- ``data=N,model=M``: data x tensor parallelism against torch's ``parallelize_module`` twin
-  (``parity_tests.model_parallel``): a ViT, ddp or zero3 on the data axis, float64;
-- ``stage=S > 1``: the strategy is built on the mesh first, so its own one-line refusal is
-  what the user sees while pipelining is not there; once a strategy accepts stages, add its
-  torch twin as a runner here (``RUNNERS``) and this says so until then;
+- ``data=N,model=M``: data x tensor parallelism against its torch twin
+  (``parity_tests.model_parallel``): a ViT (torch's ``parallelize_module``) or a ResNet
+  (channel-parallel by hand), ddp or zero3 on the data axis, float64;
+- ``data=N,stage=S``: data x pipeline parallelism against torch's ``ScheduleGPipe`` twin
+  (``parity_tests.pipeline_parallel``): a ViT, ddp on the data axis, ``--microbatches`` M, float64;
 - ``replica``: HSDP's axis, reached with ``--strategy hsdp --mesh-shape R,S``.
 
 Jax- and torch-free at import.
@@ -19,65 +19,98 @@ from typing import Optional
 
 from parity_tests.config import ParityConfig, ParityError
 
-LAYOUTS = "data=N, or data=N,model=M with a ViT (ddp, zero3; float64)"
+LAYOUTS = ("data=N; data=N,model=M with a ViT or ResNet (ddp, zero3; float64); data=N,stage=S with a ViT "
+           "(ddp; float64)")
 
 
-def layout_of(sizes: dict) -> str:
-    """"data", "data x model" or "stage" (a pipeline): the runner a mesh needs."""
+def layout_of(sizes: dict, microbatches: Optional[int] = None) -> str:
+    """"data", "data x model" or "data x stage" (a pipeline): the runner a mesh needs."""
     if sizes.get("stage", 1) > 1:
-        return "stage"
+        if sizes.get("model", 1) > 1:
+            raise ParityError("pipeline stages do not combine with a model axis yet; parity's meshes are " + LAYOUTS)
+        return "data x stage"
+    if microbatches is not None:
+        raise ParityError("--microbatches are pipeline micro-batches: give --mesh a stage axis")
     if sizes.get("replica", 1) > 1:
         raise ParityError("parity's meshes are " + LAYOUTS + "; HSDP's replica axis: --strategy hsdp "
                           "--mesh-shape R,S")
     return "data x model" if sizes.get("model", 1) > 1 else "data"
 
 
+def _float64_sgd_or_adamw(cfg: ParityConfig, what: str) -> None:
+    if cfg.dtype != "float64" or cfg.optimizer not in ("sgd", "adamw"):
+        raise ParityError(f"{what} parity runs in float64 with sgd (momentum 0.9) or adamw")
+
+
+def _vit(cfg: ParityConfig, what: str) -> dict:
+    """The named ViT with the sizes given on the command line, or one line saying it is not a ViT."""
+    from jaxdp.models import family
+    from jaxdp.models.vit import CONFIGS
+
+    if family(cfg.model) != "vit":
+        raise ParityError(f"{what}, not {cfg.model}; parity's meshes are {LAYOUTS}")
+    return {**CONFIGS[cfg.model], "num_classes": 10, "image_size": cfg.image_size,
+            **{k: getattr(cfg, k) for k in cfg.VIT_OPTIONS if getattr(cfg, k) is not None}}
+
+
 def tp_config(cfg: ParityConfig, sizes: dict):
-    """``model_parallel.TPConfig`` for this run: the named ViT with the given sizes, one line if it cannot be."""
+    """``model_parallel.TPConfig`` for this run: the named ViT or ResNet with the given sizes, one line if it cannot be."""
     from parity_tests import model_parallel as mp
 
     from jaxdp.models import family
 
-    if family(cfg.model) != "vit":
-        raise ParityError(f"parity on a model axis runs a ViT (torch's parallelize_module twin), not {cfg.model}; "
-                          f"parity's meshes are {LAYOUTS}")
     if cfg.strategy not in ("ddp", "zero3"):
         raise ParityError(f"tensor-parallel parity runs ddp or zero3 on the data axis, not {cfg.strategy}")
-    if cfg.dtype != "float64" or cfg.optimizer not in ("sgd", "adamw"):
-        raise ParityError("tensor-parallel parity runs in float64 with sgd (momentum 0.9) or adamw")
-    from jaxdp.models.vit import CONFIGS
+    _float64_sgd_or_adamw(cfg, "tensor-parallel")
+    common = dict(strategy=cfg.strategy, data=sizes.get("data", 1), model=sizes["model"], steps=cfg.steps,
+                  batch_per_rank=cfg.batch_per_device, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed)
+    if family(cfg.model) == "resnet":  # channel-parallel against the hand-written twin
+        resnet = dict(name=cfg.model, num_classes=10, width=cfg.width, blocks=tuple(cfg.blocks or (1, 1, 1, 1)))
+        return mp.TPConfig(family="resnet", resnet=resnet, **common)
+    return mp.TPConfig(vit=_vit(cfg, "parity on a model axis runs a ViT or a ResNet"), **common)
 
-    vit = {**CONFIGS[cfg.model], "num_classes": 10, "image_size": cfg.image_size,
-           **{k: getattr(cfg, k) for k in cfg.VIT_OPTIONS if getattr(cfg, k) is not None}}
-    return mp.TPConfig(strategy=cfg.strategy, data=sizes.get("data", 1), model=sizes["model"], steps=cfg.steps,
-                       batch_per_rank=cfg.batch_per_device, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, vit=vit)
 
+def pp_config(cfg: ParityConfig, sizes: dict):
+    """``pipeline_parallel.PPConfig`` for this run, one line if it cannot be."""
+    from parity_tests import pipeline_parallel as pp
 
-def refuse_stages(cfg: ParityConfig, sizes: dict) -> None:
-    """The strategy's own refusal of a stage axis (StrategyError); if it accepts, that parity has no twin yet."""
-    from jaxdp.mesh import make_mesh
-    from jaxdp.models import create_model
-    from jaxdp.optim import make_optimizer
-    from jaxdp.strategies import create_strategy
-    from jaxdp.task import classifier
-
-    net = create_model(cfg.model, **cfg.model_options())
-    create_strategy(cfg.strategy, net, classifier(net), make_optimizer("sgd", cfg.lr), make_mesh(**sizes))
-    raise ParityError(f"{cfg.strategy} runs on stage={sizes['stage']}, but parity has no pipeline twin yet "
-                      f"(add one to parity_tests.layouts); parity's meshes are {LAYOUTS}")
+    if cfg.strategy != "ddp":
+        raise ParityError(f"pipeline parity runs ddp on the data axis (torch's twin averages the stages' grads "
+                          f"over dp), not {cfg.strategy}")
+    _float64_sgd_or_adamw(cfg, "pipeline")
+    return pp.PPConfig(data=sizes.get("data", 1), stage=sizes["stage"], microbatches=cfg.microbatches or sizes["stage"],
+                       steps=cfg.steps, batch_per_rank=cfg.batch_per_device, optimizer=cfg.optimizer, lr=cfg.lr,
+                       seed=cfg.seed, vit=_vit(cfg, "parity on a stage axis runs a ViT (or the toy, in its tests)"))
 
 
 def run_tensor_parallel(cfg: ParityConfig, sizes: dict, out: str, bug: Optional[str]) -> int:
     """Data x model parity against torch; prints one line, writes ``out``/report.json; the exit status."""
     from parity_tests import model_parallel as mp
 
-    if bug is not None and bug not in mp.BUGS:
-        raise ParityError(f"on a model axis the injectable bug is {', '.join(mp.BUGS)}, not {bug}")
+    _check_bug(bug, mp.BUGS, "a model axis")
     tp = tp_config(cfg, sizes)
-    comparison = mp.run(tp, bug=bug)
-    what = f"{cfg.strategy} data={tp.data} x model={tp.model}, {cfg.model_summary()}, {tp.steps} steps"
+    what = f"tensor-parallel parity ({cfg.strategy} data={tp.data} x model={tp.model}"
+    return _report(what, cfg, sizes, tp.steps, out, bug, mp.run(tp, bug=bug))
+
+
+def run_pipeline(cfg: ParityConfig, sizes: dict, out: str, bug: Optional[str]) -> int:
+    """Data x stage parity against torch's GPipe twin; prints one line, writes ``out``/report.json."""
+    from parity_tests import pipeline_parallel as pp
+
+    _check_bug(bug, pp.BUGS, "a stage axis")
+    run = pp_config(cfg, sizes)
+    what = f"pipeline parity (ddp data={run.data} x stage={run.stage}, {run.microbatches} micro-batches"
+    return _report(what, cfg, sizes, run.steps, out, bug, pp.run(run, bug=bug))
+
+
+def _check_bug(bug: Optional[str], bugs: dict, where: str) -> None:
+    if bug is not None and bug not in bugs:
+        raise ParityError(f"on {where} the injectable bugs are {', '.join(bugs)}, not {bug}")
+
+
+def _report(what: str, cfg: ParityConfig, sizes: dict, steps: int, out: str, bug: Optional[str], comparison) -> int:
     message = "parity OK" if comparison.passed else comparison.divergence.message()
-    print(f"tensor-parallel parity ({what}): {message}")
+    print(f"{what}, {cfg.model_summary()}, {steps} steps): {message}")
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "report.json")
     with open(path, "w") as f:
@@ -87,3 +120,6 @@ def run_tensor_parallel(cfg: ParityConfig, sizes: dict, out: str, bug: Optional[
     if bug is not None:
         return 3 if comparison.passed else 1  # a bug the harness missed: 3, as run_parity's
     return 0 if comparison.passed else 1
+
+
+RUNNERS = {"data x model": run_tensor_parallel, "data x stage": run_pipeline}
