@@ -4,6 +4,11 @@ Every layout must train exactly as the same model on one device (float64): the l
 averaged gradients, the params and the optimizer state after each step; and the two things
 a pipeline can get silently wrong, the micro-batch loss scale and the order of the stages,
 must each break that equality when injected.
+
+Time: each distinct pipelined program costs ~4 s to compile for the ViT (XLA's scan with a
+switch over the stages), ~1 s for the toy model, so the ViT runs only the layouts the toy
+cannot (uneven stages of a real model on data x stage with M > 1; four stages) and the toy,
+with its own one-device reference, runs the rest.
 """
 
 import jax
@@ -19,17 +24,19 @@ from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel import pipeline
 from jaxdp.strategies import StrategyError, create_strategy
 from jaxdp.task import classifier
+from parity_tests.pipeline_parallel import injected
 
 # depth 2: four pipeline layers, so two stages are (embed, block 0) and (block 1, norm + head),
 # of different param counts (the embedding's position table against the head).
-SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=2, heads=4, mlp_dim=32)
+SMALL_VIT = dict(num_classes=10, image_size=8, patch=4, dim=8, depth=2, heads=2, mlp_dim=16)
+IMAGE = (8, 8, 3)
 
 
 def vit(dtype=jnp.float64):
     return ViT(**SMALL_VIT, dtype=dtype, param_dtype=dtype)
 
 
-def batches(n, steps=2, seed=0, shape=(16, 16, 3), classes=10):
+def batches(n, steps=2, seed=0, shape=IMAGE, classes=10):
     rng = np.random.default_rng(seed)
     return [{"image": rng.normal(size=(n, *shape)), "label": rng.integers(0, classes, n).astype(np.int32)}
             for _ in range(steps)]
@@ -61,7 +68,7 @@ def reference():
     """The start (float64 variables) and the reference run: the whole model and batch on one device.
     (x64 switched on here: module fixtures are built before conftest's per-test switch.)"""
     with jax.enable_x64(True):
-        start = vit().init(jax.random.key(1), jnp.zeros((1, 16, 16, 3), jnp.float64), train=False)
+        start = jax.jit(vit().init, static_argnames="train")(jax.random.key(1), jnp.zeros((1, *IMAGE)), train=False)
         return start, train(vit(), make_mesh(data=1), start, batches(8))
 
 
@@ -76,32 +83,12 @@ def one_device(reference):
 
 
 @pytest.mark.float64
-@pytest.mark.parametrize("name,axes,microbatches", [
-    ("ddp", {"stage": 2}, 4), ("ddp", {"data": 2, "stage": 2}, 1),
-    ("ddp", {"data": 2, "stage": 2}, 4), ("zero3", {"data": 2, "stage": 2}, 2), ("ddp", {"stage": 4}, 2)])
-def test_stages_train_as_one_device(name, axes, microbatches, variables, one_device):
-    """stage=4: one layer per stage. zero3: the stages' vectors kept as chunks over data and
-    gathered whole (each stage's vector is its one unit), their gradients reduce-scattered.
-    (stage=2 alone with M = 1 is the tutorial model's test below.)"""
-    run = train(vit(), make_mesh(**axes), variables, batches(8), name, microbatches=microbatches)
+@pytest.mark.parametrize("axes,microbatches", [({"data": 2, "stage": 2}, 4), ({"stage": 4}, 2)])
+def test_a_vit_on_stages_trains_as_one_device(axes, microbatches, variables, one_device):
+    """data x stage, M > 1: the embedding and the head on stages of different sizes; stage=4:
+    one layer per stage."""
+    run = train(vit(), make_mesh(**axes), variables, batches(8), microbatches=microbatches)
     assert_trains_alike(run, one_device)
-
-
-@pytest.mark.float64
-@pytest.mark.parametrize("bug", ["loss_scale", "stage_order"])
-def test_an_injected_pipeline_bug_breaks_the_equality(bug, variables, one_device, monkeypatch):
-    """Without the 1/M loss scale (torch without ``scale_grads``) the grads are M times too large;
-    activations sent one stage too far (s -> s + 2 mod S: each stage feeds itself) run the
-    wrong layers. The equality test above must see both."""
-    if bug == "loss_scale":
-        monkeypatch.setattr(pipeline.PipelinedClassifier, "loss_scale", lambda self: 1.0)
-    else:
-        monkeypatch.setattr(pipeline.Pipeline, "forward_pairs",
-                            lambda self: [(i, (i + 2) % self.size) for i in range(self.size)])
-    run = train(vit(), make_mesh(data=2, stage=2), variables, batches(8), microbatches=4)
-    with pytest.raises(AssertionError):
-        assert_trains_alike(run, one_device)
-    assert max_rel_error(run[0][0][1], one_device[0][0][1]) > 0.1  # the first step's grads: far off
 
 
 def toy():
@@ -121,11 +108,31 @@ def toy_batches():
 
 
 @pytest.mark.float64
-@pytest.mark.parametrize("axes", [{"stage": 2}, {"data": 2, "stage": 2}])
-def test_the_tutorial_model_splits_over_two_stages(axes, toy_reference):
-    """ToyMpModel (the DDP tutorial's Linear(10,10) -> ReLU -> Linear(10,5)): net1 on stage 0, net2 on stage 1."""
+@pytest.mark.parametrize("name,axes,microbatches", [
+    ("ddp", {"stage": 2}, 1), ("ddp", {"data": 2, "stage": 2}, 1), ("zero3", {"data": 2, "stage": 2}, 2)])
+def test_the_tutorial_model_on_two_stages_trains_as_one_device(name, axes, microbatches, toy_reference):
+    """ToyMpModel (the DDP tutorial's Linear(10,10) -> ReLU -> Linear(10,5)): net1 on stage 0,
+    net2 on stage 1; M = 1 is the tutorial's picture. zero3: the stages' vectors kept as chunks
+    over data and gathered whole (each stage's vector is its one unit), their gradients
+    reduce-scattered."""
     start, reference = toy_reference
-    assert_trains_alike(train(toy(), make_mesh(**axes), start, toy_batches(), microbatches=1), reference)
+    run = train(toy(), make_mesh(**axes), start, toy_batches(), name, microbatches=microbatches)
+    assert_trains_alike(run, reference)
+
+
+@pytest.mark.float64
+@pytest.mark.parametrize("bug", ["loss_scale", "stage_order"])
+def test_an_injected_pipeline_bug_breaks_the_equality(bug, toy_reference):
+    """Without the 1/M loss scale (torch without ``scale_grads``) the grads are M times too large;
+    activations sent one stage too far (s -> s + 2 mod S: each stage feeds itself) run the
+    wrong layers. The equality tests above must see both (the bugs live in
+    parity_tests/pipeline_parallel.py, which catches them against torch too)."""
+    start, reference = toy_reference
+    with injected(bug):
+        run = train(toy(), make_mesh(data=2, stage=2), start, toy_batches(), microbatches=4)
+    with pytest.raises(AssertionError):
+        assert_trains_alike(run, reference)
+    assert max_rel_error(run[0][0][1], reference[0][0][1]) > 0.1  # the first step's grads: far off
 
 
 def test_stacking_round_trips_and_puts_each_layer_on_its_stage(variables):
@@ -228,7 +235,10 @@ def test_200_steps_dispatched_back_to_back_never_hang():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # 4 devices, and the suite's fast-compile flags (conftest.py) kept: compiling dominates here.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=4"]),
+               JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", _BACK_TO_BACK], capture_output=True, text=True, timeout=120,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
