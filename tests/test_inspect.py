@@ -411,3 +411,28 @@ def test_cli_inspect_mesh_errors_are_one_line(capsys):
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip()
         assert err.startswith("jaxdp: error: ") and message in err and "\n" not in err, err
+
+
+def test_pp_x_ddp_bytes_and_stage_traffic_meet_the_gpipe_formulas():
+    """PP 2 x DDP 2: each device holds its stage's row of the stacked (S, L) params, L·p bytes;
+    the stage axis carries one collective-permute of a micro-batch's boundary buffer per tick
+    of the schedule, M + S - 1 ticks, forward and backward. The buffer is the widest boundary,
+    the tokens after block 0: T·d values per example (T = 5 tokens, d = 32). M = 4 tells the
+    schedule's 2(M+S-1) sends from the useful 2(S-1)·M."""
+    from jaxdp.analysis.axes import gpipe_bubble
+
+    r = inspect_strategy("ddp", 4, model="vit-tiny", vit=TINY_VIT, image_size=16, batch_per_device=4,
+                         mesh={"data": 2, "stage": 2}, options={"microbatches": 4})
+    a, pipe = r["axes"], r["axes"]["pipeline"]
+    s, m, p, batch, tokens = 2, 4, 4, 4, 5
+    example = tokens * TINY_VIT["dim"] * p
+    assert pipe["stage_length"] == a["state"]["params"]["stage"]["params"] // s  # the (S, L) array, L per device
+    assert r["state"]["measured"]["params"] == pipe["params_bytes"] == p * pipe["stage_length"]
+    assert pipe["activation_bytes_per_example"] == example
+    assert pipe["activations_in_flight_bytes"] == batch * example
+    assert pipe["stage_traffic_useful_bytes"] == 2 * (s - 1) * batch * example
+    sends = 2 * (m + s - 1) * (batch // m) * example  # bubble ticks send padding too
+    assert a["traffic"]["stage"]["ops"]["collective-permute"] == pipe["stage_traffic_bytes"] == sends
+    assert a["traffic_formula"]["stage"] == sends
+    assert pipe["bubble_formula"] == gpipe_bubble(s, m) == (s - 1) / (m + s - 1)
+    assert a["traffic"]["data"]["ring_bytes"] == pytest.approx(2 * (2 - 1) / 2 * p * pipe["stage_length"], rel=0.01)

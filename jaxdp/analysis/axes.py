@@ -25,7 +25,9 @@ model device (ViT: patch embedding, tokens, LayerNorms, head); Ψ_split: params 
   fc1->fc2) one all-reduce of the B·T·d activations in forward and one of their gradient in
   backward: ``megatron_traffic`` = 2 pairs · depth · 2 (fwd, bwd) · 2(M-1)/M · B·T·d·b,
   B images per data rank, T tokens, d the width, b bytes per activation value.
-- stage axis: ``pipeline_accounting`` (a hook, empty until pipelining lands).
+- stage axis (GPipe, ``jaxdp.parallel.pipeline``): ``pipeline_accounting``: L·p params per
+  device, M micro-batches' boundary activations in flight, and 2(M+S-1)·(B/M)·a bytes of
+  collective-permutes per device (one per tick of the schedule, forward and backward).
 
 Nothing here imports jax at module level.
 """
@@ -160,34 +162,56 @@ def model_axis_formula(strategy, batch_per_rank: int) -> Optional[float]:
     return megatron_traffic(tp.size, batch_per_rank, tokens, net.dim, net.depth, np.dtype(net.dtype).itemsize)
 
 
-def pipeline_accounting(strategy, batch_per_rank: int) -> Optional[dict]:
-    """HOOK for pipeline stages (``jaxdp/parallel/pipeline.py``), None without a stage axis.
+def gpipe_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of each stage in GPipe: it computes on M of the M + S - 1 ticks."""
+    return (stages - 1) / (microbatches + stages - 1)
 
-    To fill once pipelining lands, from the strategy's schedule (S stages, m micro-batches of
-    activations a bytes each at a stage boundary): activations in flight per stage (GPipe: m,
-    1F1B: up to S) x a; stage-axis traffic, (S-1) activation sends per micro-batch forward and
-    as many gradient sends backward: 2(S-1)·m·a bytes over the pipeline, 2·m·a for a middle
-    stage's device; the bubble (S-1)/(m+S-1). A strategy that pipelines defines
-    ``pipeline_accounting(batch_per_rank) -> dict`` with those keys; this returns it.
+
+def pipeline_accounting(strategy, batch_per_rank: int, example_input=None) -> Optional[dict]:
+    """Pipeline stages' (``jaxdp/parallel/pipeline.py``) bytes and stage-axis traffic per device
+    and step; None without a stage axis. ``example_input``: one example's ShapeDtypeStruct
+    (what stage 0 takes), which fixes the activation size at the stage boundaries.
+
+    S stages, M micro-batches of b = B/M examples, a = bytes per example of the buffer the
+    stages exchange (the widest boundary's activation; every boundary travels padded to it):
+
+    - params per device: L·p, L the longest stage's param count (the stacked (S, L) layout);
+    - activations in flight per stage: GPipe keeps all M micro-batches' stage inputs for the
+      backward, M·b·a = B·a;
+    - stage traffic, useful: (S-1)·M activation sends forward and as many gradient sends
+      backward over the pipeline, 2(S-1)·M·b·a;
+    - stage traffic, per device as the schedule runs it: every tick of the scan is one
+      ppermute of one micro-batch's buffer (bubble ticks send padding), forward and backward:
+      2(M+S-1)·b·a. This is what the compiled HLO's collective-permutes over ``stage`` move.
     """
-    from jaxdp.mesh import STAGE_AXIS, axis_size
+    import jax
 
-    stages = axis_size(strategy.mesh, STAGE_AXIS)
-    if stages == 1:
+    pp = getattr(strategy, "pp", None)
+    if pp is None:
         return None
-    own = getattr(strategy, "pipeline_accounting", None)
-    return own(batch_per_rank) if own is not None else {"stages": stages, "accounted": False}
+    s, m = pp.size, pp.microbatches
+    micro = batch_per_rank // m
+    sent = {}
+    if example_input is not None:
+        width, dtype = pp.buffer(jax.ShapeDtypeStruct((micro, *example_input.shape), example_input.dtype))
+        a = width * np.dtype(dtype).itemsize
+        sent = {"activation_bytes_per_example": a, "activations_in_flight_bytes": m * micro * a,
+                "stage_traffic_useful_bytes": 2 * (s - 1) * m * micro * a,
+                "stage_traffic_bytes": 2 * (m + s - 1) * micro * a}
+    return {"stages": s, "microbatches": m, "stage_length": pp.length,
+            "params_bytes": pp.length * np.dtype(pp.dtype).itemsize, **sent, "bubble_formula": gpipe_bubble(s, m)}
 
 
 def axis_report(strategy, collectives: Optional[dict], temp_bytes: Optional[int], opt_bytes_per_param: int,
-                batch_per_rank: int, data_formula: Optional[float]) -> dict:
+                batch_per_rank: int, data_formula: Optional[float], example_input=None) -> dict:
     """Everything above for one strategy on its mesh, as ``measure`` adds it under "axes"."""
     mesh = strategy.mesh
     shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
     report = {"mesh": {n: int(s) for n, s in zip(names, shape)}, **split_counts(strategy),
               "state": state_by_axes(strategy, opt_bytes_per_param), "activations": temp_bytes,
-              "traffic_formula": {"data": data_formula, "model": model_axis_formula(strategy, batch_per_rank)},
-              "pipeline": pipeline_accounting(strategy, batch_per_rank)}
+              "pipeline": pipeline_accounting(strategy, batch_per_rank, example_input)}
+    report["traffic_formula"] = {"data": data_formula, "model": model_axis_formula(strategy, batch_per_rank),
+                                 "stage": (report["pipeline"] or {}).get("stage_traffic_bytes")}
     if collectives is not None:
         report["traffic"] = traffic_by_axis(collectives, shape, names)
     return report

@@ -93,9 +93,14 @@ def _format_axes(r: dict) -> list:
             ops = ", ".join(f"{k} {v:,.0f}" for k, v in t["ops"].items())
             lines.append(f"{'over ' + axes:<22}{t['count']:>8}{t['ring_bytes']:>18,.0f}{_mb(f):>16}  {ops}")
         lines.append("formulas: data = the strategy's over Ψ_local; model = 4·depth·2(M-1)/M·B·T·d·b "
-                     "(Megatron: two layer pairs per block, one all-reduce each in forward and backward)")
-    if a.get("pipeline") is not None:
-        lines.append(f"pipeline (stage axis): {a['pipeline']}")
+                     "(Megatron: two layer pairs per block, one all-reduce each in forward and backward); "
+                     "stage = 2(M+S-1)·(B/M)·a (GPipe: one permute of a micro-batch's boundary buffer per tick)")
+    pipe = a.get("pipeline")
+    if pipe is not None:
+        lines.append(f"pipeline (stage axis): S = {pipe['stages']} stages, M = {pipe['microbatches']} micro-batches; "
+                     f"params {_mb(pipe['params_bytes']).strip()} B per device (L = {pipe['stage_length']:,}); "
+                     f"boundary activations in flight {_mb(pipe.get('activations_in_flight_bytes')).strip()} B; "
+                     f"bubble (S-1)/(M+S-1) = {pipe['bubble_formula']:.2f}")
     return lines
 
 

@@ -202,8 +202,7 @@ class Pipeline:
         x0 = jax.eval_shape(lambda: first_input(pick(0)))
         boundaries = self._boundaries(x0)
         out_shape = boundaries[-1]
-        width = max(math.prod(b.shape[1:]) for b in boundaries[1:])
-        dtype = jnp.result_type(*[b.dtype for b in boundaries[1:]])
+        width, dtype = self._buffer(boundaries)
         branches = [self._stage_fn(s, boundaries, width, dtype) for s in range(s_count)]
         sums_shape = jax.eval_shape(lambda: per_microbatch(jnp.zeros(out_shape.shape, out_shape.dtype), pick(0)))
 
@@ -223,6 +222,17 @@ class Pipeline:
                  jax.tree_util.tree_map(lambda r: cast(jnp.zeros(r.shape, r.dtype)), sums_shape))
         (_, sums), _ = jax.lax.scan(tick, start, jnp.arange(m_count + s_count - 1))
         return jax.lax.psum(sums, self.axis)
+
+    @staticmethod
+    def _buffer(boundaries):
+        """Values per example and dtype of the buffer every stage sends: the widest boundary's."""
+        return (max(math.prod(b.shape[1:]) for b in boundaries[1:]),
+                jnp.result_type(*[b.dtype for b in boundaries[1:]]))
+
+    def buffer(self, first_input):
+        """``_buffer`` for stage 0's input (a ShapeDtypeStruct of one micro-batch), for the
+        accounting (``jaxdp.analysis.axes.pipeline_accounting``)."""
+        return self._buffer(self._boundaries(first_input))
 
     def forward_pairs(self):
         """Where each stage's output goes: stage s -> s + 1 (the last stage's output goes nowhere)."""
