@@ -1,12 +1,14 @@
-"""``jaxdp bench --mesh data=4 data=2,model=2``: one row per (strategy, mesh layout), jaxdp only.
+"""``jaxdp bench --mesh data=4 data=2,model=2 data=2,stage=2``: one row per (strategy, mesh layout), jaxdp only.
 
 Each row is ``jax_side.bench_jax`` on the named mesh (compiled once, timed after warm-up), with
 the per-axis traffic of ``jaxdp.analysis.axes`` (ring bytes per device per step over each mesh
-axis, from the compiled HLO, beside the formulas) and a ``bubble`` column: the idle fraction of
-a pipeline schedule, blank for layouts without a stage axis. A PPxDP row is one more mesh,
-``data=2,stage=2``, once a strategy accepts a stage axis (its ``pipeline_accounting`` fills the
-bubble; ``jaxdp.analysis.axes.pipeline_accounting``). torch_ref's twins of these layouts are
-not timed here (parity_tests.model_parallel checks their numbers).
+axis, from the compiled HLO, beside the formulas) and, for a mesh with a stage axis (PPxDP,
+GPipe with M = S micro-batches, ``jaxdp.analysis.axes.pipeline_accounting``), a ``bubble``
+column: the measured idle fraction beside GPipe's (S-1)/(M+S-1). The estimator is
+``parity_tests/bench/pipeline_bubble.py``'s, 1 - t_ideal / t: the ideal pipelined step is the
+same work split over all the devices with no bubble, taken here as the same strategy's step on
+a data-only mesh of as many devices in the same run (blank without one). torch_ref's twins of
+these layouts are not timed here (parity_tests.model_parallel and pipeline_parallel check their numbers).
 
 Jax-free at import.
 """
@@ -22,7 +24,7 @@ from parity_tests.bench.jax_side import bench_jax
 
 AXES_SHOWN = ("data", "model", "stage")
 LAYOUT_HEADER = ("| strategy | mesh | jaxdp step s | img/s | compile s | params/dev MiB | traffic/step MiB "
-                 + " ".join(f"| {a} axis MiB meas / formula" for a in AXES_SHOWN) + " | bubble |")
+                 + " ".join(f"| {a} axis MiB meas / formula" for a in AXES_SHOWN) + " | bubble meas / (S-1)/(M+S-1) |")
 
 
 def mesh_text(sizes: dict) -> str:
@@ -50,7 +52,21 @@ def layout_row(name: str, sizes: dict, cfg: dict, rng) -> dict:
         axes["traffic"] = traffic_by_axis(rec["collectives"], tuple(sizes.values()), tuple(sizes))
     pipeline = axes.get("pipeline") or {}
     return {"strategy": name, "mesh": sizes, "n": n, "global_batch": cfg["global_batch"], "jaxdp": rec,
-            "bubble": pipeline.get("bubble")}
+            "bubble": pipeline.get("bubble_formula"), "bubble_measured": None}
+
+
+def measured_bubble(ideal_s: float, step_s: float) -> float:
+    """The idle fraction a pipelined step of ``step_s`` shows against a bubble-free ``ideal_s``."""
+    return 1 - ideal_s / step_s
+
+
+def add_measured_bubbles(rows: list) -> None:
+    """Each stage row's measured bubble, against the same strategy's data-only row of as many devices."""
+    ideal = {(r["strategy"], r["n"]): r["jaxdp"].get("median_step_s") for r in rows if set(r["mesh"]) == {"data"}}
+    for r in rows:
+        t, t_ideal = r["jaxdp"].get("median_step_s"), ideal.get((r["strategy"], r["n"]))
+        if r["mesh"].get("stage", 1) > 1 and t and t_ideal:
+            r["bubble_measured"] = measured_bubble(t_ideal, t)
 
 
 def run_layouts(cfg: dict, strategies: Sequence[str], meshes: Sequence[dict], log=print) -> list:
@@ -61,6 +77,7 @@ def run_layouts(cfg: dict, strategies: Sequence[str], meshes: Sequence[dict], lo
         for name in strategies:
             rows.append(layout_row(name, sizes, cfg, rng))
             log(layout_line(rows[-1]))
+    add_measured_bubbles(rows)  # the stage rows' lines above had no data-only row to compare with yet
     return rows
 
 
@@ -79,7 +96,11 @@ def layout_line(r: dict) -> str:
              f"{j.get('compile_s', 0):.1f}", _mib(params), _mib((j.get("collectives") or {}).get("ring_bytes"))]
     for a in AXES_SHOWN:
         cells.append(f"{_mib(traffic[a]['ring_bytes'])} / {_mib(formula.get(a))}" if a in traffic else "")
-    cells.append("" if r["bubble"] is None else f"{r['bubble']:.2f}")
+    if r["bubble"] is not None:
+        cells.append(f"{'-' if r.get('bubble_measured') is None else format(r['bubble_measured'], '.2f')} / "
+                     f"{r['bubble']:.2f}")
+    else:
+        cells.append("")
     return "| " + " | ".join(cells) + " |"
 
 

@@ -27,6 +27,7 @@ from jaxdp.mesh import make_mesh  # noqa: E402
 from jaxdp.models.vit import ViT  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
 from jaxdp.task import classifier  # noqa: E402
+from parity_tests.bench.layouts import measured_bubble  # noqa: E402
 
 MODEL = dict(num_classes=10, image_size=32, patch=4, dim=64, depth=6, heads=4, mlp_dim=128)
 
@@ -67,7 +68,7 @@ def main(argv=None):
             continue
         for m in args.microbatches:
             t = median_step_seconds(make_mesh(data=1, stage=s), batch, args.repeats, microbatches=m)
-            row = dict(stages=s, microbatches=m, step_s=t, ideal_s=one / s, measured_bubble=1 - one / s / t,
+            row = dict(stages=s, microbatches=m, step_s=t, ideal_s=one / s, measured_bubble=measured_bubble(one / s, t),
                        gpipe_bubble=(s - 1) / (m + s - 1))
             rows.append(row)
             print(f"{s:>2} {m:>3} {t * 1e3:8.1f} {one / s * 1e3:8.1f} {row['measured_bubble']:16.2f} "
