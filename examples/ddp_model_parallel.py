@@ -10,6 +10,8 @@ stage=2: each data rank's model is split over two pipeline stages, ``net1`` + Re
 other with a ppermute; DDP averages the gradients over ``data``, each stage only its own.
 With one micro-batch (``microbatches=1``, the tutorial's picture) stage 1 idles while stage 0
 computes and the other way round; more micro-batches fill that bubble (GPipe, docs/strategies.md).
+The torch twin, ``PipelineStage`` + ``ScheduleGPipe`` on a (dp, pp) DeviceMesh: ``python -m
+torch_ref.pipeline`` (float64; ``parity_tests/test_pipeline_parallel.py`` checks the two agree).
 """
 
 import os
