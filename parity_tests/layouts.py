@@ -54,7 +54,8 @@ def _vit(cfg: ParityConfig, what: str) -> dict:
 
 
 def tp_config(cfg: ParityConfig, sizes: dict):
-    """``model_parallel.TPConfig`` for this run: the named ViT or ResNet with the given sizes, one line if it cannot be."""
+    """``model_parallel.TPConfig`` for this run: the named ViT or ResNet with the given sizes, or one line
+    saying why not."""
     from parity_tests import model_parallel as mp
 
     from jaxdp.models import family
