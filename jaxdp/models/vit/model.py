@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxdp.models.resnet import linear_bias_init, linear_kernel_init
 # tp_plan is found here, beside the model's class, by jaxdp.parallel.tensor.
-from jaxdp.models.vit.parallel import attention_splits, tp_plan  # noqa: F401
+from jaxdp.models.vit.parallel import attention_splits, summed_values, tp_plan  # noqa: F401
 from jaxdp.parallel.tensor import model_axis_size, summed_over
 
 # timm and torchvision ViTs use 1e-6 (torch's nn.LayerNorm default is 1e-5); the
