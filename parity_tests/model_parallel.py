@@ -123,14 +123,14 @@ def injected(bug: Optional[str]):
     import jax
 
     from jaxdp.models import resnet
-    from jaxdp.models.vit import model as vit_model
+    from jaxdp.models.vit import layers as vit_layers
 
     def first_part_only(axis, op=jax.lax.dot_general):
         def part_of_device_0(*args, **kwargs):
             return jax.lax.all_gather(op(*args, **kwargs), axis, to="invarying")[0]
         return part_of_device_0
 
-    originals = [(m, m.summed_over) for m in (vit_model, resnet)]
+    originals = [(m, m.summed_over) for m in (vit_layers, resnet)]
     for m, _ in originals:
         m.summed_over = first_part_only
     try:

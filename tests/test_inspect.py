@@ -356,9 +356,23 @@ def tp_ddp_report():
                             mesh={"data": 2, "model": 2})
 
 
+def test_channel_parallel_resnet_model_axis_traffic_meets_its_formula():
+    """ResNet TP 2 x DDP 2: one all-reduce per block of its conv2 output (B·h·w·planes at the
+    block's resolution) in forward, and one of the block input's gradient in backward."""
+    r = inspect_strategy("ddp", 4, model="resnet18", width=4, blocks=(1, 1, 1, 1), image_size=16,
+                         batch_per_device=2, mesh={"data": 2, "model": 2})
+    m, p, batch = 2, 4, 2
+    forward = batch * (16 * 16 * 4 + 8 * 8 * 8 + 4 * 4 * 16 + 2 * 2 * 32)  # layer1..layer4 outputs
+    backward = batch * (16 * 16 * 4 + 16 * 16 * 4 + 8 * 8 * 8 + 4 * 4 * 16)  # their inputs
+    formula = 2 * (m - 1) / m * (forward + backward) * p
+    a = r["axes"]
+    assert a["traffic"]["model"]["ring_bytes"] == a["traffic_formula"]["model"] == formula
+    assert a["traffic"]["model"]["ops"] == {"all-reduce": formula}
+
+
 def test_tp_x_ddp_bytes_and_traffic_per_axis_meet_the_formulas(tp_ddp_report):
     """TP 2 x DDP 2: params per device p·(Ψ_rep + Ψ_split/M); the model axis carries the Megatron
-    all-reduces, 4 per block of B·T·d values; the data axis DDP's all-reduce of Ψ_local."""
+    all-reduces, 2 per block of B·T·d values each way; the data axis DDP's all-reduce of Ψ_local."""
     r, a = tp_ddp_report, tp_ddp_report["axes"]
     m, n, p, batch, tokens = 2, 2, 4, 2, 5
     split = vit_split_params(**TINY_VIT)

@@ -21,10 +21,11 @@ model device (ViT: patch embedding, tokens, LayerNorms, head); Ψ_split: params 
   holds); the ZeRO table then applies to Ψ_local over N (zero3: p·Ψ_local/N).
 - data axis: the strategy's own traffic formula over Ψ_local (DDP: 2(N-1)/N·p·Ψ_local, the
   all-reduce of the device's grads).
-- model axis (Megatron, ``jaxdp.parallel.tensor``): per layer pair (attention qkv->proj, MLP
-  fc1->fc2) one all-reduce of the B·T·d activations in forward and one of their gradient in
-  backward: ``megatron_traffic`` = 2 pairs · depth · 2 (fwd, bwd) · 2(M-1)/M · B·T·d·b,
-  B images per data rank, T tokens, d the width, b bytes per activation value.
+- model axis (Megatron, ``jaxdp.parallel.tensor``): each row-parallel layer's output is
+  all-reduced in forward, and the gradient of its column-parallel partner's input in backward:
+  ``model_traffic`` = 2(M-1)/M · (V_fwd + V_bwd)·b, the values declared beside the model
+  (``summed_values``: ViT B·T·d per row layer each way, two per block or one when attention
+  stays whole; ResNet each block's output forward and its input backward), b bytes per value.
 - stage axis (GPipe, ``jaxdp.parallel.pipeline``): ``pipeline_accounting``: L·p params per
   device, M micro-batches' boundary activations in flight, and 2(M+S-1)·(B/M)·a bytes of
   collective-permutes per device (one per tick of the schedule, forward and backward).
@@ -146,20 +147,24 @@ def split_counts(strategy) -> dict:
 
 # ----------------------------------------------------------------------------- formulas
 
-def megatron_traffic(model_size: int, batch: int, tokens: int, dim: int, depth: int, value_bytes: int) -> float:
-    """Model-axis ring bytes per device per step of a Megatron transformer: per block two layer
-    pairs, each one all-reduce of B·T·d values forward and one backward, 2(M-1)/M·S each."""
+def model_traffic(model_size: int, summed_values: tuple, value_bytes: int) -> float:
+    """Model-axis ring bytes per device per step: the (forward, backward) activation values
+    all-reduced, 2(M-1)/M·S each."""
     m = model_size
-    return 2 * depth * 2 * 2 * (m - 1) / m * batch * tokens * dim * value_bytes
+    return 2 * (m - 1) / m * sum(summed_values) * value_bytes
 
 
-def model_axis_formula(strategy, batch_per_rank: int) -> Optional[float]:
-    """``megatron_traffic`` for the strategy's model when it is a tensor-parallel ViT (None otherwise)."""
+def model_axis_formula(strategy, batch_per_rank: int, image_size: int) -> Optional[float]:
+    """``model_traffic`` of the strategy's tensor-parallel model, from ``summed_values`` declared
+    beside it (None without tensor parallelism, or for a model that declares none)."""
+    from jaxdp.parallel.tensor import beside
+
     net, tp = strategy.init_model, strategy.tp
-    if tp is None or not all(hasattr(net, a) for a in ("dim", "depth", "patch", "image_size")):
+    values = beside(net, "summed_values")
+    if tp is None or values is None:
         return None
-    tokens = 1 + (net.image_size // net.patch) ** 2
-    return megatron_traffic(tp.size, batch_per_rank, tokens, net.dim, net.depth, np.dtype(net.dtype).itemsize)
+    dtype = getattr(net, "dtype", np.float32)
+    return model_traffic(tp.size, values(net, tp.size, batch_per_rank, image_size), np.dtype(dtype).itemsize)
 
 
 def gpipe_bubble(stages: int, microbatches: int) -> float:
@@ -203,14 +208,15 @@ def pipeline_accounting(strategy, batch_per_rank: int, example_input=None) -> Op
 
 
 def axis_report(strategy, collectives: Optional[dict], temp_bytes: Optional[int], opt_bytes_per_param: int,
-                batch_per_rank: int, data_formula: Optional[float], example_input=None) -> dict:
+                batch_per_rank: int, image_size: int, data_formula: Optional[float], example_input=None) -> dict:
     """Everything above for one strategy on its mesh, as ``measure`` adds it under "axes"."""
     mesh = strategy.mesh
     shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
     report = {"mesh": {n: int(s) for n, s in zip(names, shape)}, **split_counts(strategy),
               "state": state_by_axes(strategy, opt_bytes_per_param), "activations": temp_bytes,
               "pipeline": pipeline_accounting(strategy, batch_per_rank, example_input)}
-    report["traffic_formula"] = {"data": data_formula, "model": model_axis_formula(strategy, batch_per_rank),
+    report["traffic_formula"] = {"data": data_formula,
+                                 "model": model_axis_formula(strategy, batch_per_rank, image_size),
                                  "stage": (report["pipeline"] or {}).get("stage_traffic_bytes")}
     if collectives is not None:
         report["traffic"] = traffic_by_axis(collectives, shape, names)

@@ -156,6 +156,6 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
         written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), devices)
         report["ring_bytes_as_written"] = written["ring_bytes"]
     report["axes"] = axis_report(strategy, report.get("collectives"), report.get("memory", {}).get("temp"), k,
-                                 report["batch_per_device"], report["traffic_formula_bytes"],
-                                 jax.ShapeDtypeStruct(images.shape[1:], images.dtype))
+                                 report["batch_per_device"], report["image_size"],
+                                 report["traffic_formula_bytes"], jax.ShapeDtypeStruct(images.shape[1:], images.dtype))
     return report

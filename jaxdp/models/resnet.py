@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp.models.batchnorm import BatchNorm
-from jaxdp.models.resnet_parallel import TP_PLAN  # noqa: F401 - found beside the model by jaxdp.parallel.tensor
+from jaxdp.models.resnet_parallel import TP_PLAN, summed_values  # noqa: F401 - found beside the model by jaxdp.parallel.tensor
 from jaxdp.parallel.tensor import model_axis_size, summed_over
 
 # torch's kaiming_normal_(mode="fan_out", nonlinearity="relu"): untruncated normal.

@@ -27,3 +27,22 @@ TP_PLAN = {
     f"batch_stats/{_BLOCK}/bn1/var": Column(),
     f"params/{_BLOCK}/conv2/kernel": Row(),
 }
+
+
+def summed_values(net, size: int, batch: int, image_size: int) -> tuple:
+    """Activation values all-reduced over ``model`` in one step (``jaxdp inspect``'s formula):
+    (forward, backward). Forward: each block's row-parallel conv output, B·h·w·planes at its
+    stage's resolution; backward: the gradient of each block's input, which feeds the
+    column-parallel conv (the first block of a stage sees the previous stage's size). A
+    stride-2 3x3 conv with padding 1, the imagenet stem's 7x7/2 and its max pool each take h
+    to ceil(h/2)."""
+    expansion = getattr(net.block, "expansion", 1)
+    side = image_size if net.stem == "cifar" else -(-(-(-image_size // 2)) // 2)
+    channels = net.width  # the stem's output
+    forward = backward = 0
+    for i, blocks in enumerate(net.stage_sizes):
+        planes, out_side = net.width * 2**i, side if i == 0 else -(-side // 2)
+        forward += blocks * batch * out_side**2 * planes
+        backward += batch * (side**2 * channels + (blocks - 1) * out_side**2 * planes * expansion)
+        side, channels = out_side, planes * expansion
+    return forward, backward

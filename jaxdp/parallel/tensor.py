@@ -149,9 +149,13 @@ class TensorParallel:
 def plan_of(model, size: int):
     """The plan declared beside the model's class (its module) for ``size`` model devices:
     ``tp_plan(model, size)`` where the plan depends on the model's sizes, else ``TP_PLAN``; or None."""
-    module = sys.modules.get(type(model).__module__)
-    make = getattr(module, "tp_plan", None)
-    return make(model, size) if make is not None else getattr(module, "TP_PLAN", None)
+    make = beside(model, "tp_plan")
+    return make(model, size) if make is not None else beside(model, "TP_PLAN")
+
+
+def beside(model, name: str):
+    """What the model's class module declares as ``name`` (its tensor-parallel facts), or None."""
+    return getattr(sys.modules.get(type(model).__module__), name, None)
 
 
 def for_mesh(model, mesh, plan=None) -> Optional[TensorParallel]:

@@ -34,3 +34,13 @@ def attention_splits(heads: int, size: int) -> bool:
 def tp_plan(vit, size: int):
     """The plan for ``vit`` over ``size`` model devices: Megatron's, or the MLP's alone."""
     return TP_PLAN if attention_splits(vit.heads, size) else MLP_PLAN
+
+
+def summed_values(vit, size: int, batch: int, image_size: int) -> tuple:
+    """Activation values all-reduced over ``model`` in one step (``jaxdp inspect``'s formula):
+    (forward, backward). B·T·d per row-parallel layer's output in forward, and as many for the
+    gradient of its column-parallel partner's input in backward; two per block (attention,
+    MLP), or one when attention stays whole."""
+    tokens = 1 + (image_size // vit.patch) ** 2
+    values = (2 if attention_splits(vit.heads, size) else 1) * vit.depth * batch * tokens * vit.dim
+    return values, values

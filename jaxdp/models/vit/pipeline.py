@@ -4,12 +4,12 @@
     blocks_i   blocks/i                            tokens -> tokens (one per encoder block)
     head       norm, head                          tokens -> logits (the class token's)
 
-Each layer applies the same Flax modules the ViT builds (``model.py``), on its own params.
+Each layer applies the same Flax modules the ViT builds (``layers.py``), on its own params.
 The torch twin cuts the same layers (``torch_ref/pipeline.py``).
 """
 
 
-from jaxdp.models.vit.model import EncoderBlock, PatchEmbed, with_tokens
+from jaxdp.models.vit.layers import EncoderBlock, PatchEmbed, with_tokens
 from jaxdp.parallel.pipeline import Layer
 
 
