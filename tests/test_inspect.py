@@ -421,7 +421,7 @@ def test_cli_inspect_mesh_errors_are_one_line(capsys):
             "--no-compile"]
     for extra, message in ((["--mesh", "data=2,model=2", "--devices", "8"], "holds 4 devices but --devices is 8"),
                            (["--mesh", "data=2,modle=2"], "unknown mesh axis modle"),
-                           (["--mesh", "data=2,model=2"], "ResNet has no tensor-parallel plan")):
+                           (["--mesh", "data=2,model=2", "--width", "3"], "a ResNet of width 3 cannot be split over model=2")):
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip()
         assert err.startswith("jaxdp: error: ") and message in err and "\n" not in err, err
