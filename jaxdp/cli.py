@@ -14,7 +14,7 @@ import sys
 from typing import List, Optional
 
 from jaxdp.flags import PARSER_OPTIONS
-from jaxdp.flags import add_strategy_flags, comma_ints as _ints
+from jaxdp.flags import add_mesh_flag, add_strategy_flags, comma_ints as _ints
 
 
 def _step_range(text: str):
@@ -45,9 +45,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-size", type=_ints, default=d.synthetic_size, help="train,test sizes of the synthetic set")
     g = p.add_argument_group("parallelism")
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
-    g.add_argument("--mesh", default=d.mesh,
-                   help="named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product "
-                        "is the device count): model parallelism beside the data-parallel strategy")
+    add_mesh_flag(g, d.mesh, what="model parallelism beside the data-parallel strategy")
+    g.add_argument("--microbatches", type=int, default=d.microbatches,
+                   help="pipeline micro-batches per device and update, with a stage axis in --mesh "
+                        "(default: the stage count)")
     g.add_argument("--devices", type=int, default=d.devices,
                    help="devices to use (default: all). On a CPU-only machine --devices N simulates N devices"
                         " (any N >= 1), unless XLA_FLAGS already sets --xla_force_host_platform_device_count,"
@@ -279,13 +280,13 @@ def _simulate_devices(args: argparse.Namespace) -> None:
     """--devices N on CPU: ask XLA for N devices, before jax is imported (a no-op for GPUs,
     and when XLA_FLAGS already fixes the count)."""
     devices = getattr(args, "devices", None)
-    if getattr(args, "mesh", None) and args.command == "train":
+    if isinstance(getattr(args, "mesh", None), str):  # --mesh in train, inspect, parity
         from jaxdp.mesh import MeshError, parse_mesh
 
         try:
             devices = devices or math.prod(parse_mesh(args.mesh).values())
         except MeshError:
-            pass  # the trainer's own check says what is wrong with it, in one line
+            pass  # the command's own check says what is wrong with it, in one line
     if devices:
         from jaxdp.distributed import distributed_env
         from jaxdp.mesh import simulate_cpu_devices

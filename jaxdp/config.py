@@ -32,6 +32,7 @@ class TrainConfig(StrategyOptions):
     # how to train it (and the strategy with its options: StrategyOptions)
     devices: Optional[int] = None  # default: every device; on CPU, N simulated devices
     mesh: Optional[str] = None  # named axis sizes, e.g. "data=2,model=2"; their product is the device count
+    microbatches: Optional[int] = None  # pipeline micro-batches (a stage axis in mesh; default: the stage count)
     global_batch_size: int = 128
     # optimisation
     epochs: int = 1
@@ -74,7 +75,8 @@ class TrainConfig(StrategyOptions):
         a resume; anything that changes the math may not. The global batch is part of
         it: it fixes which samples each step takes, whatever the device count.
         """
-        ignored = {"out", "resume", "overwrite", "progress", "devices", "mesh", "checkpoint_every", "data_dir",
+        ignored = {"out", "resume", "overwrite", "progress", "devices", "mesh", "microbatches", "checkpoint_every",
+                   "data_dir",
                    "download",
                    "strategy", "mesh_shape", "bucket_cap_mb", "log_sample_ids", "init_timeout",
                    "heartbeat_timeout", "keep", "eval_every", "tensorboard", "profile_steps", "peak_flops",
@@ -95,18 +97,15 @@ def mesh_devices(cfg: TrainConfig) -> Optional[int]:
     unknown axis, or whose sizes do not multiply to ``--devices``, is one line."""
     if cfg.mesh is None:
         return cfg.devices
-    from jaxdp.mesh import MeshError, parse_mesh  # jax-free at import
+    from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
 
     try:
-        sizes = parse_mesh(cfg.mesh)
+        sizes = mesh_sizes(cfg.mesh, cfg.devices)
     except MeshError as e:
         raise TrainError(str(e)) from None
     total = 1
     for size in sizes.values():
         total *= size
-    if cfg.devices is not None and cfg.devices != total:
-        raise TrainError(f"--mesh {cfg.mesh} holds {total} devices but --devices is {cfg.devices}: drop --devices "
-                         "or make them agree")
     return total
 
 
@@ -122,6 +121,8 @@ def check_config(cfg: TrainConfig) -> None:
         _at_least("--devices", cfg.devices, 1, hint=" (omit it to use every device)")
     if cfg.mesh is not None:
         mesh_devices(cfg)
+    if cfg.microbatches is not None:
+        _at_least("--microbatches", cfg.microbatches, 1, hint=" (omit it for one per stage)")
     _at_least("--epochs", cfg.epochs, 1)
     _at_least("--checkpoint-every", cfg.checkpoint_every, 0, hint=" (0 = once per epoch)")
     _at_least("--eval-every", cfg.eval_every, 0, hint=" (0 = at the end of each epoch)")

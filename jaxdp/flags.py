@@ -60,3 +60,23 @@ def add_strategy_flags(group, defaults, *, sync_bn_help: str, staleness_help: st
                    help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
     g.add_argument("--staleness", type=int, default=d.staleness, help=staleness_help)
     g.add_argument("--mesh-shape", type=comma_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
+
+
+MESH_HELP = ("named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product is the "
+             "device count)")
+
+
+def add_mesh_flag(group, default=None, *, what: str = "") -> None:
+    """``--mesh data=2,stage=2,model=2``, the same flag in train, inspect, bench and parity (checked
+    by ``jaxdp.mesh.mesh_sizes``); ``what`` says what the command does with it."""
+    group.add_argument("--mesh", default=default, help=MESH_HELP + (f": {what}" if what else ""))
+
+
+VIT_SIZES = ("depth", "dim", "heads", "mlp_dim", "patch")
+
+
+def add_vit_flags(group) -> None:
+    """``--depth --dim --heads --mlp-dim --patch``: a ViT's sizes (None keeps the named model's)."""
+    for size in VIT_SIZES:
+        group.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
+                           help=f"ViT: {size} (default: the named model's)")

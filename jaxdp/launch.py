@@ -45,9 +45,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 POLL_S = 0.05
+COLLATERAL_S = 0.2  # a peer's abort after a real failure lands within this (see _cause)
 SIGNAL_GRACE_S = 30.0  # after Ctrl-C, time for the processes to finish a checkpoint and exit
 PREEMPTED_EXIT = 128 + signal.SIGTERM  # jaxdp train after a preemption (SIGTERM) checkpointed its step
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
@@ -185,6 +186,7 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
                         f"waiting for the other {len(running)} process(es)")
                     stop_signal.append((signal.SIGTERM, time.monotonic()))
                 elif code != 0 and not stop_signal:
+                    pid, code = _cause(pid, code, exits, running)
                     say(f"process {pid} (pid {procs[ids.index(pid)].pid}) {describe(code)}; stopping the other "
                         f"{len(running)} process(es)")
                     _stop(running.values(), grace_period)
@@ -217,6 +219,27 @@ def _exit_queue(running) -> "queue.Queue":
         threading.Thread(target=lambda pid=pid, p=p: exits.put((pid, p.wait())), daemon=True,
                          name=f"jaxdp-launch-wait-{pid}").start()
     return exits
+
+
+def _cause(pid: int, code: int, exits: "queue.Queue", running) -> Tuple[int, int]:
+    """The failure to blame: the first one, unless it is a peer's collateral abort.
+
+    A broken gloo connection aborts the peers (SIGABRT) within milliseconds of the real
+    failure; on a loaded machine the waiting thread of the real failure may be scheduled
+    after a peer's, so the queue order alone can name the peer. Exits that arrive within
+    ``COLLATERAL_S`` are looked at together, and a SIGABRT yields to any other failure.
+    """
+    seen = [(pid, code)]
+    deadline = time.monotonic() + COLLATERAL_S
+    while running and (left := deadline - time.monotonic()) > 0:
+        try:
+            other, other_code = exits.get(timeout=left)
+        except queue.Empty:
+            break
+        del running[other]
+        seen.append((other, other_code))
+    not_abort = [(p, c) for p, c in seen if c not in (0, -signal.SIGABRT)]
+    return not_abort[0] if not_abort else (pid, code)
 
 
 def _signal(p: subprocess.Popen, signum: int) -> None:

@@ -58,7 +58,7 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
         if shape is not None or num_devices is not None:
             raise MeshError("give either named axis sizes (data=, replica=, stage=, model=) or num_devices/shape")
         shape, axis_names = named_shape(**named)
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = host_ordered(jax.devices())
     n = num_devices or (int(np.prod(shape)) if shape else len(devices))
     if n > len(devices):
         hint = (f" On CPU, simulate devices with XLA_FLAGS={_FORCE_FLAG}={n} set before jax is"
@@ -74,7 +74,45 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
         raise MeshError(f"mesh shape {shape} does not hold {n} devices")
     if len(shape) != len(axis_names):
         raise MeshError(f"mesh shape {shape} needs {len(shape)} axis names, got {tuple(axis_names)}")
+    check_model_within_hosts(devices[:n], shape, axis_names)
     return Mesh(np.array(devices[:n]).reshape(shape), tuple(axis_names))
+
+
+def host_ordered(devices) -> list:
+    """``devices`` process by process, by id within a process: each process's devices are one
+    contiguous block, so the innermost mesh axes (``model``, then ``stage``) stay inside a host.
+
+    jax's own ``create_device_mesh`` does not promise that: on GPU it sorts by ``id`` alone
+    and on CPU it keeps the given order (jax 0.10.2, ``jax/_src/mesh_utils.py``)."""
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def check_model_within_hosts(devices, shape, axis_names) -> None:
+    """MeshError if a ``model`` group would span processes although it fits in one: its
+    all-reduces run every layer and belong on a host's fast links. ``devices`` in mesh order
+    (``host_ordered``); a model axis larger than a process's devices must span processes."""
+    if MODEL_AXIS not in axis_names:
+        return
+    m = shape[list(axis_names).index(MODEL_AXIS)]
+    groups = np.array([d.process_index for d in devices]).reshape(shape)
+    groups = np.moveaxis(groups, list(axis_names).index(MODEL_AXIS), -1).reshape(-1, m)
+    per_process = np.bincount([d.process_index for d in devices]).max()
+    spanning = [g for g in groups if len(set(g)) > 1]
+    if spanning and m <= per_process:
+        raise MeshError(f"mesh model={m} does not divide the {per_process} devices of each process, so a model "
+                        f"group would span processes {sorted(set(spanning[0]))} (its all-reduces run every layer): "
+                        f"make model divide {per_process}")
+
+
+def mesh_sizes(text: str, devices: Optional[int] = None) -> dict:
+    """``--mesh`` checked against ``--devices`` (one home for every command's ``--mesh``): the
+    named sizes, or MeshError when their product is not ``devices`` (None: any product)."""
+    sizes = parse_mesh(text)
+    total = int(np.prod(list(sizes.values())))
+    if devices is not None and devices != total:
+        raise MeshError(f"--mesh {text} holds {total} devices but --devices is {devices}: drop --devices "
+                        "or make them agree")
+    return sizes
 
 
 def named_shape(**sizes: Optional[int]):

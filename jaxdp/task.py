@@ -50,16 +50,25 @@ class Classifier:
         out = self.model.apply({"params": params, **model_state}, batch["image"], train=True,
                                mutable=mutable or False)
         logits, new_state = out if mutable else (out, {})
-        loss = cross_entropy(logits, batch["label"])
-        accuracy = (jnp.argmax(logits, -1) == batch["label"]).mean(dtype=logits.dtype)
+        loss, accuracy = loss_and_accuracy(logits, batch["label"])
         return loss, (dict(new_state), {"accuracy": accuracy})
 
     def eval_fn(self, params, model_state, batch) -> Dict[str, Any]:
         logits = self.model.apply({"params": params, **model_state}, batch["image"], train=False)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-        weight = batch["mask"].astype(losses.dtype) if "mask" in batch else jnp.ones_like(losses)
-        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(losses.dtype)
-        return {"loss_sum": (losses * weight).sum(), "correct": (correct * weight).sum(), "count": weight.sum()}
+        return eval_sums(logits, batch)
+
+
+def loss_and_accuracy(logits, labels):
+    """A classifier's training loss (torch's mean cross-entropy) and accuracy on a batch of logits."""
+    return cross_entropy(logits, labels), (jnp.argmax(logits, -1) == labels).mean(dtype=logits.dtype)
+
+
+def eval_sums(logits, batch) -> Dict[str, Any]:
+    """A classifier's evaluation sums over a batch of logits (``mask``: 0 on padding)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    weight = batch["mask"].astype(losses.dtype) if "mask" in batch else jnp.ones_like(losses)
+    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(losses.dtype)
+    return {"loss_sum": (losses * weight).sum(), "correct": (correct * weight).sum(), "count": weight.sum()}
 
 
 def classifier(model) -> Classifier:

@@ -136,6 +136,9 @@ class _Run:
         barrier("init")  # the processes finish compiling the init at different times (see distributed.barrier)
         if self.is_main and cfg.progress:
             print(startup_header(cfg, self.strategy, self.state, setup.per_device), file=sys.stderr, flush=True)
+        tp = getattr(self.strategy, "tp", None)
+        if self.is_main and tp is not None and tp.note:  # a layer left unsplit: said even without progress
+            print(f"tensor parallelism: {tp.note}", file=sys.stderr, flush=True)
         if self.is_main:
             write_config(cfg.out, cfg)
         keep = self.global_step if cfg.resume else 0

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jaxdp.config import (TrainConfig, batchnorm_batch_error, check_choice, epoch_length, per_device_batch,
+from jaxdp.config import (TrainConfig, TrainError, batchnorm_batch_error, check_choice, epoch_length, per_device_batch,
                           total_steps)
 
 IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10, the synthetic set and digits (padded)
@@ -54,6 +54,7 @@ def build(cfg: TrainConfig) -> Setup:
     mesh = _make_mesh(cfg.devices, cfg.mesh)
     n = data_parallel_size(mesh)
     per_device = per_device_batch(cfg, n)
+    pipeline = _pipeline_options(cfg, mesh, per_device)
     _check_batchnorm_batch(model, cfg, n)
     train_set, test_set = load_dataset(cfg.dataset, cfg.data_dir, cfg.download, tuple(cfg.synthetic_size), cfg.seed)
     steps = epoch_length(len(train_set), n, per_device)
@@ -61,10 +62,10 @@ def build(cfg: TrainConfig) -> Setup:
     schedule = make_schedule(cfg.schedule, cfg.lr, total, **cfg.schedule_options(steps))
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
-    if "units" in options_of_strategy(cfg.strategy):
+    if "units" in options_of_strategy(cfg.strategy) and not pipeline:  # a stage's vector is its one unit
         options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
     strategy = create_strategy(cfg.strategy, model, classifier(model), tx, mesh, accum_steps=cfg.accum_steps,
-                               sync_bn=cfg.sync_bn, seed=cfg.seed, log_grad_norm=True, **options)
+                               sync_bn=cfg.sync_bn, seed=cfg.seed, log_grad_norm=True, **options, **pipeline)
     return Setup(strategy, schedule, train_set, test_set, per_device, steps, total)
 
 
@@ -73,6 +74,24 @@ def data_parallel_size(mesh) -> int:
     from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS, axis_size
 
     return axis_size(mesh, DATA_AXIS) * axis_size(mesh, REPLICA_AXIS)
+
+
+def _pipeline_options(cfg: TrainConfig, mesh, per_device: int) -> dict:
+    """``microbatches`` for a mesh with a stage axis; each accumulation step's batch must split into them."""
+    from jaxdp.mesh import STAGE_AXIS, axis_size
+
+    stages = axis_size(mesh, STAGE_AXIS)
+    if stages == 1:
+        if cfg.microbatches is not None:
+            raise TrainError("--microbatches are pipeline micro-batches: give --mesh a stage axis (e.g. data=2,stage=2)")
+        return {}
+    m = cfg.microbatches or stages
+    micro_batch = per_device // cfg.accum_steps
+    if micro_batch % m:
+        raise TrainError(f"{micro_batch} images per device and accumulation step do not split into {m} pipeline "
+                         f"micro-batches: pick a --global-batch-size that is a multiple of "
+                         f"{cfg.accum_steps * m * data_parallel_size(mesh)} or change --microbatches")
+    return {"microbatches": m}
 
 
 def _make_mesh(devices: Optional[int], named: Optional[str] = None):

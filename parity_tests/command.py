@@ -8,11 +8,12 @@ Jax- and torch-free at import: the parser is built before ``--devices`` reaches 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from jaxdp.commands import Command
 from jaxdp.flags import comma_floats, comma_ints
-from parity_tests import report, runner
+from parity_tests import layouts, report, runner
 from parity_tests.config import ParityConfig, ParityError
 from parity_tests.pairs import PAIRS
 
@@ -22,11 +23,16 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     d = ParityConfig()
     g = p.add_argument_group("pair")
     from jaxdp import choices
-    from jaxdp.flags import add_strategy_flags, deprecated_alias
+    from jaxdp.flags import add_mesh_flag, add_strategy_flags, add_vit_flags, deprecated_alias
 
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(PAIRS), help="jaxdp strategy")
-    g.add_argument("--devices", type=int, default=d.devices,
-                   help="jaxdp devices = torch ranks (on CPU the devices are simulated)")
+    g.add_argument("--devices", type=int, default=None,
+                   help=f"jaxdp devices = torch ranks (on CPU the devices are simulated; default {d.devices})")
+    add_mesh_flag(g, what="data=N; data=N,model=M: tensor-parallel parity of a ViT or ResNet against its torch "
+                          "twin; data=N,stage=S: pipeline parity of a ViT against torch's ScheduleGPipe "
+                          "(parity_tests.layouts)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline micro-batches per device with a stage axis in --mesh (default: the stage count)")
     add_strategy_flags(g, d, sync_bn_help="global BN statistics (torch: see the pair table)",
                        staleness_help="async: only 0 has a torch twin")
     deprecated_alias(g, "--accum", "--accum-steps", dest="accum_steps", type=int)
@@ -35,9 +41,7 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
     g.add_argument("--blocks", type=comma_ints, default=d.blocks, help="ResNet: blocks per stage, e.g. 1,1,1,1 or 2,2,2,2")
     g.add_argument("--stem", default=d.stem, metavar=choices.listing(choices.STEMS), help="ResNet stem")
-    for size in ("depth", "dim", "heads", "mlp_dim", "patch"):
-        g.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
-                       help=f"ViT: {size} (default: the named model's)")
+    add_vit_flags(g)
     g.add_argument("--dtype", default=d.dtype, metavar=choices.listing(choices.DTYPES), help="float64 (tight: 1e-10) | float32 (measured-noise bounds) | bfloat16 (bf16 compute, fp32 master weights; bounds from bf16 rounding)")
     g.add_argument("--steps", type=int, default=d.steps, help="updates compared")
     g.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="images per device per update")
@@ -73,15 +77,29 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ParityConfig:
+    """The run's config; ``--mesh`` (checked against ``--devices``) sets the device count."""
+    from jaxdp.mesh import mesh_sizes
+
     fields = ParityConfig.__dataclass_fields__
-    return ParityConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    given = {k: v for k, v in vars(args).items() if k in fields and not (k == "devices" and v is None)}
+    if args.mesh:
+        given["devices"] = math.prod(mesh_sizes(args.mesh, args.devices).values())
+    return ParityConfig(**given)
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    from jaxdp.mesh import MeshError, parse_mesh, simulate_cpu_devices
+    from jaxdp.strategies import StrategyError
+
     try:
+        cfg = config_from_args(args)
+        simulate_cpu_devices(cfg.devices)  # before jax starts; a no-op once XLA_FLAGS fixes the count
+        sizes = parse_mesh(cfg.mesh) if cfg.mesh else {"data": cfg.devices}
+        layout = layouts.layout_of(sizes, cfg.microbatches)
+        if layout in layouts.RUNNERS:
+            return layouts.RUNNERS[layout](cfg, sizes, args.out, args.inject_bug)
         result = runner.run_parity(cfg, bug=args.inject_bug)
-    except ParityError as e:
+    except (ParityError, MeshError, StrategyError) as e:
         print(f"jaxdp parity: error: {e}", file=sys.stderr)
         return 2
     report.print_report(result)

@@ -29,6 +29,8 @@ class ParityConfig(OptimizerOptions, ModelOptions, StrategyOptions):
     # the run
     steps: int = 5
     devices: int = 2
+    mesh: Optional[str] = None  # named axis sizes, "data=2,model=2" (parity_tests.layouts): their product is devices
+    microbatches: Optional[int] = None  # pipeline micro-batches with a stage axis in mesh (default: the stage count)
     batch_per_device: int = 8
     image_size: int = 32  # centre crop of the 32x32 images (a ViT's position embeddings follow it)
     dataset_size: int = 256

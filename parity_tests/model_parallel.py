@@ -2,13 +2,20 @@
 (``torch_ref.tensor_parallel``: ``parallelize_module`` on a 2-D ``DeviceMesh``, then DDP or
 FSDP2 on its ``dp`` dim), and against the same model on one device.
 
-One run: the ViT is initialised in torch and converted (``jaxdp.interop``); both sides take
-the same per-data-rank batches for ``steps`` steps; every step's loss, each data rank's
-loss, every averaged gradient and every parameter after the update are compared in the
-canonical layout, with ``parity_tests.compare``'s float64 bounds (rel <= 1e-10).
+Two model families (``TPConfig.family``): the ViT, split Megatron's way, and the ResNet,
+channel-parallel inside each block (``jaxdp/models/resnet_parallel.py``; its torch twin is
+written by hand, ``torch_ref/resnet_tp.py``, as torch's TP styles refuse ``Conv2d``).
 
-Injected bug (``bug="missing_row_all_reduce"``): the row-parallel layers do not sum their
-partial outputs over ``model``; every device continues with device 0's partial sum. (A
+One run: the model is initialised in torch and converted (``jaxdp.interop``); both sides take
+the same per-data-rank batches for ``steps`` steps; every step's loss, each data rank's
+loss, every averaged gradient, every parameter after the update and (ResNet) the BatchNorm
+running statistics are compared in the canonical layout, with ``parity_tests.compare``'s
+float64 bounds (rel <= 1e-10). The ResNet's BatchNorm is per data rank (no SyncBN) on both
+sides, its buffers data rank 0's (DDP broadcasts them).
+
+Injected bug (``bug="missing_row_all_reduce"``): the row-parallel layers (a ResNet block's
+``conv2``) do not sum their partial outputs over ``model``; every device continues with
+device 0's partial sum. (A
 plain missing ``psum`` does not even trace: ``shard_map``'s varying/invariant types refuse
 a per-device partial sum where a replicated value is due. Keeping one device's part is the
 closest bug that gets through, and only the numbers can show it.) The harness must catch it
@@ -24,8 +31,10 @@ from typing import Dict, List, Optional
 import numpy as np
 
 SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=2, heads=4, mlp_dim=32)
-BUGS = {"missing_row_all_reduce": "row-parallel layers (attn.proj, mlp.fc2) keep device 0's partial sum "
-                                  "instead of all-reducing over model"}
+SMALL_RESNET = dict(name="resnet18", num_classes=10, width=4, blocks=(1, 1, 1, 1))
+RESNET_IMAGE_SIZE = 16  # 8x8 leaves layer4 1x1: its BatchNorm over 4 values amplifies rounding 100x in 10 steps
+BUGS = {"missing_row_all_reduce": "row-parallel layers (attn.proj, mlp.fc2, a ResNet block's conv2) keep "
+                                  "device 0's partial sum instead of all-reducing over model"}
 
 
 @dataclass
@@ -38,32 +47,61 @@ class TPConfig:
     optimizer: str = "sgd"       # sgd (momentum 0.9) | adamw
     lr: float = 0.05
     seed: int = 0
+    family: str = "vit"          # vit | resnet
     vit: Dict[str, int] = field(default_factory=lambda: dict(SMALL_VIT))
+    resnet: Dict[str, object] = field(default_factory=lambda: dict(SMALL_RESNET))
+
+    @property
+    def model_config(self) -> dict:
+        return dict(self.resnet if self.family == "resnet" else self.vit)
+
+    @property
+    def image_size(self) -> int:
+        return RESNET_IMAGE_SIZE if self.family == "resnet" else self.vit["image_size"]
 
     @property
     def torch_config(self):
         return {"dp": self.data, "tp": self.model, "strategy": self.strategy, "dtype": "float64",
-                "model": dict(self.vit), "optimizer": self.optimizer, "lr": self.lr, "momentum": 0.9,
-                "weight_decay": 0.01}
+                "family": self.family, "model": self.model_config, "optimizer": self.optimizer, "lr": self.lr,
+                "momentum": 0.9, "weight_decay": 0.01}
 
 
 def init_state_dict(cfg: TPConfig) -> Dict[str, np.ndarray]:
     import torch
 
+    from torch_ref.models import resnet
     from torch_ref.vit import VisionTransformer
 
     torch.manual_seed(cfg.seed)
-    model = VisionTransformer(**cfg.vit).double()
-    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    model = resnet(**cfg.resnet) if cfg.family == "resnet" else VisionTransformer(**cfg.vit)
+    return {k: v.numpy().copy() for k, v in model.double().state_dict().items()}
 
 
 def make_batches(cfg: TPConfig):
     """Per step: images (data, b, H, W, 3) and labels (data, b), one row block per data rank."""
     rng = np.random.default_rng(cfg.seed)
-    size = cfg.vit["image_size"]
+    size = cfg.image_size
     shape = (cfg.data, cfg.batch_per_rank)
-    return [(rng.normal(size=shape + (size, size, 3)), rng.integers(0, cfg.vit["num_classes"], shape))
+    return [(rng.normal(size=shape + (size, size, 3)), rng.integers(0, cfg.model_config["num_classes"], shape))
             for _ in range(cfg.steps)]
+
+
+def jax_model(cfg: TPConfig):
+    """jaxdp's twin of the config's model in float64, and its FSDP units (zero3)."""
+    import jax.numpy as jnp
+
+    from jaxdp.models import create_model, fsdp_units
+    from jaxdp.models.vit import ViT
+
+    if cfg.family == "resnet":
+        model = create_model(dtype="float64", **cfg.resnet)
+    elif cfg.family == "toy":  # the DDP tutorial's model (parity_tests.pipeline_parallel)
+        from jaxdp.models.toy import ToyMpModel
+
+        return ToyMpModel(dtype=jnp.float64, param_dtype=jnp.float64), ()  # one unit per stage: no zero3 units
+    else:
+        model = ViT(**cfg.vit, dtype=jnp.float64, param_dtype=jnp.float64)
+    return model, fsdp_units(model)
 
 
 def jax_optimizer(cfg: TPConfig):
@@ -84,41 +122,43 @@ def injected(bug: Optional[str]):
         raise ValueError(f"unknown bug {bug!r}; choose one of {', '.join(BUGS)}")
     import jax
 
-    from jaxdp.models.vit import model as vit_model
+    from jaxdp.models import resnet
+    from jaxdp.models.vit import layers as vit_layers
 
-    def first_part_only(axis):
-        def dot_general(*args, **kwargs):
-            part = jax.lax.dot_general(*args, **kwargs)
-            return jax.lax.all_gather(part, axis, to="invarying")[0]
-        return dot_general
+    def first_part_only(axis, op=jax.lax.dot_general):
+        def part_of_device_0(*args, **kwargs):
+            return jax.lax.all_gather(op(*args, **kwargs), axis, to="invarying")[0]
+        return part_of_device_0
 
-    original = vit_model.summed_over
-    vit_model.summed_over = first_part_only
+    originals = [(m, m.summed_over) for m in (vit_layers, resnet)]
+    for m, _ in originals:
+        m.summed_over = first_part_only
     try:
         yield
     finally:
-        vit_model.summed_over = original
+        for m, original in originals:
+            m.summed_over = original
 
 
-def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None, bug: Optional[str] = None):
-    """jaxdp's records; ``mesh_axes`` defaults to ``data x model`` ({"data": 1}: one device)."""
+def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None, bug: Optional[str] = None,
+            options: Optional[dict] = None):
+    """jaxdp's records; ``mesh_axes`` defaults to ``data x model`` ({"data": 1}: one device);
+    ``options``: more of the strategy's (a pipeline's ``microbatches``)."""
     import jax
-    import jax.numpy as jnp
 
-    from jaxdp.interop import tree_to_torch_names, variables_from_state_dict
+    from jaxdp.interop import tree_to_torch_names
     from jaxdp.mesh import make_mesh
-    from jaxdp.models.vit import EncoderBlock, ViT
     from jaxdp.strategies import create_strategy
     from jaxdp.task import classifier
 
     axes = mesh_axes or {"data": cfg.data, "model": cfg.model}
     name = cfg.strategy if axes != {"data": 1} else "ddp"
     with jax.enable_x64(True), injected(bug):
-        model = ViT(**cfg.vit, dtype=jnp.float64, param_dtype=jnp.float64)
-        options = {"units": (EncoderBlock,)} if name == "zero3" else {}
+        model, units = jax_model(cfg)
+        options = {**({"units": units} if name == "zero3" else {}), **(options or {})}
         strategy = create_strategy(name, model, classifier(model), jax_optimizer(cfg), make_mesh(**axes),
                                    return_grads=True, **options)
-        state = strategy.init_state(variables_from_state_dict(state_dict, dtype="float64"))
+        state = strategy.init_state(_variables(cfg, model, state_dict))
         records = []
         for images, labels in batches:
             batch = {"image": images.reshape(-1, *images.shape[2:]), "label": labels.reshape(-1).astype(np.int32)}
@@ -128,9 +168,26 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
             records.append({"loss": float(metrics["loss"]),
                             "grads": tree_to_torch_names(strategy.canonical_grads(metrics["grads"])),
                             "params": tree_to_torch_names(canon.params)})
+            if canon.model_state.get("batch_stats"):
+                records[-1]["buffers"] = tree_to_torch_names(canon.model_state["batch_stats"], "batch_stats")
             if axes["data"] == len(images):  # one loss per data rank, as torch's dp ranks report
                 records[-1]["loss_per_rank"] = [float(x) for x in np.asarray(metrics["loss_per_device"])]
     return records
+
+
+def _variables(cfg: TPConfig, model, state_dict):
+    """jaxdp's float64 variables from a torch ``state_dict`` (the toy's through its params' names)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.interop import tree_from_torch_names, variables_from_state_dict
+
+    if cfg.family != "toy":
+        return variables_from_state_dict(state_dict, dtype="float64")
+    from jaxdp.models.toy import IN_FEATURES
+
+    like = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, IN_FEATURES), jnp.float64))
+    return {"params": tree_from_torch_names(state_dict, like["params"])}
 
 
 def run_torch(cfg: TPConfig, state_dict, batches) -> List[dict]:
@@ -150,5 +207,6 @@ def run(cfg: TPConfig, reference: str = "torch", bug: Optional[str] = None):
         want = run_torch(cfg, state_dict, batches)
     else:
         want = run_jax(cfg, state_dict, batches, mesh_axes={"data": 1})
-        got = [{k: v for k, v in r.items() if k != "loss_per_rank"} for r in got]  # one device has one rank
+        # One device has one rank: compare the mean loss only.
+        got, want = ([{k: v for k, v in r.items() if k != "loss_per_rank"} for r in run] for run in (got, want))
     return compare.compare_runs(got, want, compare.FLOAT64)

@@ -84,6 +84,17 @@ def run_steps(strategy, state, batches):
     return state, history
 
 
+def canonical_history(strategy, variables, batches):
+    """From full ``variables``, each step's (loss, canonical averaged grads) over host
+    ``batches`` (the strategy built with ``return_grads=True``) and the final canonical state."""
+    state = strategy.init_state(variables)
+    history = []
+    for batch in batches:
+        state, metrics = strategy.step(state, strategy.shard_batch(batch))
+        history.append((float(metrics["loss"]), jax.device_get(strategy.canonical_grads(metrics["grads"]))))
+    return history, jax.device_get(strategy.canonical(state))
+
+
 def init(model, size=8, seed=0):
     return model.init(jax.random.key(seed), jnp.zeros((1, size, size, 3), model.dtype), train=False)
 
@@ -116,3 +127,19 @@ def collectives_in_loops(hlo: str):
     for name, ops in per_computation.items():
         (inside if name in bodies else outside).update(ops)
     return dict(inside), dict(outside)
+
+
+def step_collectives_by_axis(strategy, batch):
+    """{(op, "model"|"data"): count} in ``strategy``'s compiled step on a data x model mesh
+    (a collective whose replica groups are the mesh's rows runs over ``model``)."""
+    state = strategy.init(jax.random.key(0), batch)
+    hlo = strategy.lower_step(state, strategy.shard_batch(batch)).compile().as_text()
+    rows = strategy.mesh.devices.reshape(-1, strategy.mesh.shape["model"])
+    model_groups = "{" + ",".join("{" + ",".join(str(d.id) for d in row) + "}" for row in rows) + "}"
+    counts = Counter()
+    for line in hlo.splitlines():
+        op = re.search(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)
+        if op:
+            groups = re.search(r"replica_groups=(\{\{[\d,{}]*\}\})", line)
+            counts[(op.group(1), "model" if groups and groups.group(1) == model_groups else "data")] += 1
+    return counts

@@ -8,6 +8,8 @@ already simulated 8 devices, so the bench's own device flag is a no-op here).
 import json
 import os
 
+import pytest
+
 from jaxdp.cli import main
 
 
@@ -55,8 +57,6 @@ def test_bench_gpu_preset_dry_run_lists_its_rows(capsys):
 
 
 def test_bench_gpu_preset_refuses_without_a_gpu_in_one_line(capsys):
-    import pytest
-
     from parity_tests.bench.gpu_preset import visible_gpus
 
     if visible_gpus():
@@ -77,3 +77,34 @@ def test_scaling_efficiency_is_against_n1_at_the_same_batch_per_device():
     scaling_efficiency(rows)
     assert rows[1]["scaling_jaxdp"] == 0.9 and "scaling_torch_ref" not in rows[1]  # no torch row at N = 1
     assert "scaling_jaxdp" not in rows[2]  # 512 per device: no N = 1 row at that batch
+
+
+def test_bench_mesh_layout_row_has_traffic_per_axis(tmp_path):
+    """--mesh data=2,model=2: one jaxdp row, its model-axis traffic the Megatron formula, data DDP's."""
+    out = tmp_path / "layouts"
+    rc = main(["bench", "--mesh", "data=2,model=2", "--strategies", "ddp", "--model", "vit-tiny", "--depth", "1",
+               "--dim", "16", "--heads", "4", "--mlp-dim", "32", "--patch", "8", "--global-batch-size", "4",
+               "--steps", "1", "--warmup", "0", "--out", str(out), "--tag", "mesh"])
+    assert rc == 0
+    (row,) = json.loads((out / "mesh.json").read_text())["rows"]
+    assert row["mesh"] == {"data": 2, "model": 2} and row["bubble"] is None
+    axes = row["jaxdp"]["axes"]
+    assert set(axes["traffic"]) == {"data", "model"}
+    assert axes["traffic"]["model"]["ring_bytes"] == axes["traffic_formula"]["model"] > 0
+    assert abs(axes["traffic"]["data"]["ring_bytes"] / axes["traffic_formula"]["data"] - 1) < 0.01
+    assert "| ddp | data=2,model=2 |" in (out / "mesh.md").read_text()
+
+
+def test_a_stage_row_shows_its_measured_bubble_beside_gpipes():
+    """The PPxDP row's bubble: 1 - t(data=4) / t(data=2,stage=2), beside (S-1)/(M+S-1)."""
+    from parity_tests.bench.layouts import add_measured_bubbles, layout_line
+
+    def row(mesh, step_s, bubble=None):
+        axes = {"traffic": {}, "traffic_formula": {}, "state": {}}
+        return {"strategy": "ddp", "mesh": mesh, "n": 4, "bubble": bubble, "bubble_measured": None,
+                "jaxdp": {"median_step_s": step_s, "images_per_s": 16 / step_s, "axes": axes}}
+
+    rows = [row({"data": 4}, 0.3), row({"data": 2, "model": 2}, 0.4), row({"data": 2, "stage": 2}, 0.5, 1 / 3)]
+    add_measured_bubbles(rows)
+    assert [r["bubble_measured"] for r in rows] == [None, None, pytest.approx(1 - 0.3 / 0.5)]
+    assert layout_line(rows[2]).endswith("| 0.40 / 0.33 |") and layout_line(rows[0]).endswith("|  |")

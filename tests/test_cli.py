@@ -108,6 +108,21 @@ def test_launch_names_the_process_that_died_first_not_the_peer_it_took_down(tmp_
         assert "failed: process 1 was killed by SIGKILL" in done.stderr, done.stderr
 
 
+def test_launch_blames_the_real_failure_when_a_peers_abort_is_reaped_first():
+    """On a loaded machine the peer's waiting thread can run first (seen under load 9)."""
+    import queue
+    import signal
+
+    from jaxdp import launch
+
+    exits = queue.Queue()
+    exits.put((1, -signal.SIGKILL))  # reaped a moment after process 0's collateral abort
+    running = {1: object(), 2: object()}
+    assert launch._cause(0, -signal.SIGABRT, exits, running) == (1, -signal.SIGKILL)
+    assert list(running) == [2]
+    assert launch._cause(2, -signal.SIGABRT, queue.Queue(), {}) == (2, -signal.SIGABRT)  # nothing better: the first
+
+
 def test_bench_with_nothing_to_run_says_why():
     done = run_cli("bench", "--devices", "3", "--global-batch-size", "8", "--no-torch", "--out", os.devnull)
     assert done.returncode == 2, done.stderr

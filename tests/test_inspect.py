@@ -338,3 +338,115 @@ def test_inspect_takes_a_vit_and_its_encoder_blocks_are_the_units():
     assert (r["fsdp_units"], r["fsdp_unit_count"]) == (["EncoderBlock"], 12)
     measured, padded = r["state"]["measured"], r["state"]["formula_padded"]
     assert all(measured[part] == padded[part] for part in ("params", "grads", "opt"))
+
+
+# ----------------------------------------------------------------------------- per mesh axis
+
+TINY_VIT = dict(depth=2, dim=32, heads=4, mlp_dim=64, patch=8)  # 16x16 images: T = (16/8)^2 + 1 = 5 tokens
+
+
+def vit_split_params(depth, dim, mlp_dim, **_):
+    """Ψ_split by hand: per block qkv (d·3d + 3d), proj's kernel d·d, fc1 (d·h + h), fc2's kernel h·d."""
+    return depth * (dim * 3 * dim + 3 * dim + dim * dim + dim * mlp_dim + mlp_dim + mlp_dim * dim)
+
+
+@pytest.fixture(scope="module")
+def tp_ddp_report():
+    return inspect_strategy("ddp", 4, model="vit-tiny", vit=TINY_VIT, image_size=16, batch_per_device=2,
+                            mesh={"data": 2, "model": 2})
+
+
+def test_channel_parallel_resnet_model_axis_traffic_meets_its_formula():
+    """ResNet TP 2 x DDP 2: one all-reduce per block of its conv2 output (B·h·w·planes at the
+    block's resolution) in forward, and one of the block input's gradient in backward."""
+    r = inspect_strategy("ddp", 4, model="resnet18", width=4, blocks=(1, 1, 1, 1), image_size=16,
+                         batch_per_device=2, mesh={"data": 2, "model": 2})
+    m, p, batch = 2, 4, 2
+    forward = batch * (16 * 16 * 4 + 8 * 8 * 8 + 4 * 4 * 16 + 2 * 2 * 32)  # layer1..layer4 outputs
+    backward = batch * (16 * 16 * 4 + 16 * 16 * 4 + 8 * 8 * 8 + 4 * 4 * 16)  # their inputs
+    formula = 2 * (m - 1) / m * (forward + backward) * p
+    a = r["axes"]
+    assert a["traffic"]["model"]["ring_bytes"] == a["traffic_formula"]["model"] == formula
+    assert a["traffic"]["model"]["ops"] == {"all-reduce": formula}
+
+
+def test_tp_x_ddp_bytes_and_traffic_per_axis_meet_the_formulas(tp_ddp_report):
+    """TP 2 x DDP 2: params per device p·(Ψ_rep + Ψ_split/M); the model axis carries the Megatron
+    all-reduces, 2 per block of B·T·d values each way; the data axis DDP's all-reduce of Ψ_local."""
+    r, a = tp_ddp_report, tp_ddp_report["axes"]
+    m, n, p, batch, tokens = 2, 2, 4, 2, 5
+    split = vit_split_params(**TINY_VIT)
+    assert (a["psi_split"], a["psi_rep"] + a["psi_split"]) == (split, r["psi"])
+    local = a["psi_rep"] + split // m
+    assert r["psi_local"] == a["psi_local"] == local
+    for part in ("params", "grads", "opt"):
+        assert r["state"]["measured"][part] == p * local, part  # sgd momentum: K = p
+        by_axes = a["state"][part]
+        assert set(by_axes) == {"-", "model"}
+        assert by_axes["model"]["bytes"] == p * split // m and by_axes["-"]["bytes"] == p * a["psi_rep"]
+    assert set(a["traffic"]) == {"data", "model"}, a["traffic"]
+    megatron = 4 * TINY_VIT["depth"] * 2 * (m - 1) / m * batch * tokens * TINY_VIT["dim"] * p
+    assert a["traffic"]["model"]["ring_bytes"] == a["traffic_formula"]["model"] == megatron
+    assert a["traffic"]["model"]["ops"] == {"all-reduce": megatron}
+    assert a["traffic"]["data"]["ring_bytes"] == pytest.approx(2 * (n - 1) / n * p * local, rel=0.01)
+    assert a["activations"] == r["memory"]["temp"] > 0
+
+
+def test_tp_x_zero3_cuts_each_model_slice_over_data():
+    """ZeRO-3 beside model=2: each device holds p·Ψ_local/N, the split part cut over data and model."""
+    r = inspect_strategy("zero3", 4, model="vit-tiny", vit=TINY_VIT, image_size=16, batch_per_device=2,
+                         mesh={"data": 2, "model": 2}, compile=False)
+    a, split, p = r["axes"], vit_split_params(**TINY_VIT), 4
+    assert r["state"]["measured"]["params"] == p * (a["psi_rep"] + split // 2) // 2
+    assert a["state"]["params"]["data+model"]["bytes"] == p * split // 4
+    assert a["state"]["params"]["data"]["bytes"] == p * a["psi_rep"] // 2
+
+
+def test_collectives_are_mapped_to_mesh_axes():
+    from jaxdp.analysis.axes import axes_of_groups, axes_of_pairs
+
+    shape, names = (2, 2, 2), ("replica", "data", "model")  # logical ids 0..7, model fastest
+    assert axes_of_groups([[0, 1], [2, 3], [4, 5], [6, 7]], shape, names) == "model"
+    assert axes_of_groups([[0, 2], [1, 3], [4, 6], [5, 7]], shape, names) == "data"
+    assert axes_of_groups([[0, 4], [1, 5], [2, 6], [3, 7]], shape, names) == "replica"
+    assert axes_of_groups([[0, 1, 2, 3], [4, 5, 6, 7]], shape, names) == "data+model"
+    assert axes_of_groups([list(range(8))], shape, names) == "replica+data+model"
+    assert axes_of_groups([[0, 3], [1, 2], [4, 7], [5, 6]], shape, names) == "?"  # no axis makes these
+    assert axes_of_pairs([[0, 2], [2, 0], [1, 3], [3, 1]], shape, names) == "data"
+    assert axes_of_pairs([[0, 1], [4, 5]], shape, names) == "model"
+
+
+def test_cli_inspect_mesh_errors_are_one_line(capsys):
+    base = ["inspect", "--strategy", "ddp", "--width", "4", "--blocks", "1,1,1,1", "--image-size", "16",
+            "--no-compile"]
+    for extra, message in ((["--mesh", "data=2,model=2", "--devices", "8"], "holds 4 devices but --devices is 8"),
+                           (["--mesh", "data=2,modle=2"], "unknown mesh axis modle"),
+                           (["--mesh", "data=2,model=2", "--width", "3"], "a ResNet of width 3 cannot be split over model=2")):
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("jaxdp: error: ") and message in err and "\n" not in err, err
+
+
+def test_pp_x_ddp_bytes_and_stage_traffic_meet_the_gpipe_formulas():
+    """PP 2 x DDP 2: each device holds its stage's row of the stacked (S, L) params, L·p bytes;
+    the stage axis carries one collective-permute of a micro-batch's boundary buffer per tick
+    of the schedule, M + S - 1 ticks, forward and backward. The buffer is the widest boundary,
+    the tokens after block 0: T·d values per example (T = 5 tokens, d = 32). M = 4 tells the
+    schedule's 2(M+S-1) sends from the useful 2(S-1)·M."""
+    from jaxdp.analysis.axes import gpipe_bubble
+
+    r = inspect_strategy("ddp", 4, model="vit-tiny", vit=TINY_VIT, image_size=16, batch_per_device=4,
+                         mesh={"data": 2, "stage": 2}, options={"microbatches": 4})
+    a, pipe = r["axes"], r["axes"]["pipeline"]
+    s, m, p, batch, tokens = 2, 4, 4, 4, 5
+    example = tokens * TINY_VIT["dim"] * p
+    assert pipe["stage_length"] == a["state"]["params"]["stage"]["params"] // s  # the (S, L) array, L per device
+    assert r["state"]["measured"]["params"] == pipe["params_bytes"] == p * pipe["stage_length"]
+    assert pipe["activation_bytes_per_example"] == example
+    assert pipe["activations_in_flight_bytes"] == batch * example
+    assert pipe["stage_traffic_useful_bytes"] == 2 * (s - 1) * batch * example
+    sends = 2 * (m + s - 1) * (batch // m) * example  # bubble ticks send padding too
+    assert a["traffic"]["stage"]["ops"]["collective-permute"] == pipe["stage_traffic_bytes"] == sends
+    assert a["traffic_formula"]["stage"] == sends
+    assert pipe["bubble_formula"] == gpipe_bubble(s, m) == (s - 1) / (m + s - 1)
+    assert a["traffic"]["data"]["ring_bytes"] == pytest.approx(2 * (2 - 1) / 2 * p * pipe["stage_length"], rel=0.01)

@@ -5,8 +5,7 @@ the averaged gradients, the params and the optimizer state after each step. And 
 Megatron collectives must be the ones the design promises, counted in the compiled step.
 """
 
-import re
-from collections import Counter
+import json
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import max_rel_error
+from helpers import TinyConvNet, canonical_history, max_rel_error, step_collectives_by_axis
 from jaxdp.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel.tensor import Column, TensorParallel
@@ -26,8 +25,8 @@ SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=DEPTH, he
 OPTIONS = {"ddp": {}, "zero1": {}, "zero2": {}, "zero3": {"units": (EncoderBlock,)}}
 
 
-def vit(dtype=jnp.float64):
-    return ViT(**SMALL_VIT, dtype=dtype, param_dtype=dtype)
+def vit(dtype=jnp.float64, **sizes):
+    return ViT(**{**SMALL_VIT, **sizes}, dtype=dtype, param_dtype=dtype)
 
 
 def batches(n, steps=3, seed=0):
@@ -36,17 +35,12 @@ def batches(n, steps=3, seed=0):
             for _ in range(steps)]
 
 
-def train(name, mesh, variables, data, **options):
+def train(name, mesh, variables, data, model=None, **options):
     """Every step's (loss, canonical grads) and the final canonical state."""
-    model = vit()
+    model = model or vit()
     tx = optax.sgd(0.1, momentum=0.9)
     strategy = create_strategy(name, model, classifier(model), tx, mesh, return_grads=True, **options)
-    state = strategy.init_state(variables)
-    history = []
-    for batch in data:
-        state, metrics = strategy.step(state, strategy.shard_batch(batch))
-        history.append((float(metrics["loss"]), jax.device_get(strategy.canonical_grads(metrics["grads"]))))
-    return history, jax.device_get(strategy.canonical(state))
+    return canonical_history(strategy, variables, data)
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +76,7 @@ def model_axis_collectives(name, mesh):
     model = vit(jnp.float32)
     strategy = create_strategy(name, model, classifier(model), optax.sgd(0.1), mesh, **OPTIONS[name])
     batch = batches(8, steps=1)[0]
-    batch = {"image": batch["image"].astype(np.float32), "label": batch["label"]}
-    state = strategy.init(jax.random.key(0), batch)
-    hlo = strategy.lower_step(state, strategy.shard_batch(batch)).compile().as_text()
-    model_groups = "{" + ",".join("{" + ",".join(str(d.id) for d in row) + "}" for row in mesh.devices) + "}"
-    counts = Counter()
-    for line in hlo.splitlines():
-        op = re.search(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)
-        if op:
-            groups = re.search(r"replica_groups=(\{\{[\d,{}]*\}\})", line)
-            counts[(op.group(1), "model" if groups and groups.group(1) == model_groups else "data")] += 1
-    return counts
+    return step_collectives_by_axis(strategy, {"image": batch["image"].astype(np.float32), "label": batch["label"]})
 
 
 def test_megatron_layers_all_reduce_once_forward_and_once_backward():
@@ -125,9 +109,53 @@ def test_strategies_without_model_parallelism_refuse_a_model_axis(name):
 
 
 def test_a_model_that_does_not_split_is_one_clear_error():
-    model = ViT(**{**SMALL_VIT, "heads": 3, "dim": 12})  # 3 heads over 2 devices
-    with pytest.raises(StrategyError, match=r"^a ViT with 3 heads and MLP width 32 cannot be split over model=2"):
+    model = ViT(**{**SMALL_VIT, "mlp_dim": 30})  # an MLP of 30 over 4 devices
+    with pytest.raises(StrategyError, match=r"^a ViT with MLP width 30 cannot be split over model=4: it must divide "
+                                            r"by it$"):
+        create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=2, model=4))
+
+
+def test_a_model_without_a_plan_is_one_clear_error():
+    model = TinyConvNet()
+    with pytest.raises(StrategyError, match=r"^TinyConvNet has no tensor-parallel plan for the mesh's model axis"):
         create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=1, model=2))
+
+
+THREE_HEADS = dict(heads=3, dim=12)
+
+
+@pytest.mark.float64
+def test_heads_that_do_not_divide_keep_attention_whole_and_train_as_one_device():
+    """3 heads over model=2: attention runs whole on every model device, the MLP is split."""
+    model = vit(**THREE_HEADS)
+    variables = model.init(jax.random.key(2), jnp.zeros((1, 16, 16, 3)), train=False)
+    history, state = train("ddp", make_mesh(data=2, model=2), variables, batches(8), model=model)
+    ref_history, ref_state = train("ddp", make_mesh(data=1), variables, batches(8), model=model)
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(history, ref_history)):
+        assert abs(loss - ref_loss) <= 1e-13 * abs(ref_loss), (step, loss, ref_loss)
+        assert max_rel_error(grads, ref_grads) < 1e-12, step
+    assert max_rel_error(state.params, ref_state.params) < 1e-12
+    assert max_rel_error(state.opt_state, ref_state.opt_state) < 1e-12
+    assert state.params["blocks"]["0"]["attn"]["qkv"]["kernel"].shape == (12, 36)  # canonical: 3 heads
+
+
+def test_three_heads_over_model2_train_from_the_command_line_saying_attention_stays_whole(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """``jaxdp train --mesh data=2,model=2 --model vit-tiny`` (vit-tiny's 3 heads), at a tiny size:
+    the full vit-tiny takes 62 s of CPU on this path."""
+    from jaxdp.cli import main
+    from jaxdp.models import VIT_ARCHITECTURES
+
+    monkeypatch.setitem(VIT_ARCHITECTURES, "vit-tiny", dict(dim=12, depth=1, heads=3, mlp_dim=16, patch=8))
+    out = tmp_path / "run"
+    assert main(["train", "--model", "vit-tiny", "--mesh", "data=2,model=2", "--synthetic-size", "32,16",
+                 "--global-batch-size", "8", "--epochs", "1", "--no-progress", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    note = ("tensor parallelism: 3 attention heads do not split over model=2: attention stays whole on every "
+            "model device, only the MLP is split\n")
+    assert err.count(note) == 1, err
+    losses = [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("kind") == "train"]
+    assert len(losses) == 4 and all(np.isfinite(losses)), losses
 
 
 @pytest.mark.parametrize("plan,message", [

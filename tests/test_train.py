@@ -254,8 +254,8 @@ MISSING_CIFAR = ["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"]
     (["--resume", "--overwrite"], "pass one of them"),
     (["--mesh", "data=2,layer=2"], "unknown mesh axis layer; the axes are replica, data, stage, model"),
     (["--mesh", "data=2,model=2", "--devices", "2"], "--mesh data=2,model=2 holds 4 devices but --devices is 2"),
-    (["--mesh", "data=2,model=2", *SMOKE_ANY[:-1]],  # a ResNet has no tensor-parallel plan (yet)
-     "ResNet has no tensor-parallel plan for the mesh's model axis"),
+    (["--mesh", "data=2,model=2", *SMOKE_ANY[:-1], "--width", "3"],  # 3 channels do not split over model=2
+     "a ResNet of width 3 cannot be split over model=2"),
     (["--mesh", "data=2,model=2", "--strategy", "dp", *SMOKE_ANY[:-1]],
      "dp runs over the data axis only, but the mesh has model=2"),
     # Names are checked before the dataset loads: these would otherwise fail on the missing CIFAR-10.

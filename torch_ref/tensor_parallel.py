@@ -12,6 +12,9 @@ would hold q of every head and none of v. The rows are therefore regrouped by ra
 runs its own ``heads / tp`` heads. Full tensors read back (``full_tensor()``) are regrouped
 to the canonical order before they are recorded, so they compare with jaxdp's canonical state.
 
+A ResNet (``cfg["family"] == "resnet"``) is split by hand instead, channel-parallel inside each
+block (``torch_ref/resnet_tp.py``): the TP styles refuse ``Conv2d``.
+
 Runs on CPU with gloo (torch 2.13): ``run_tp_steps`` starts ``dp x tp`` ranks.
 """
 
@@ -39,14 +42,14 @@ def parallelize_vit(model, tp_mesh) -> None:
     tp = tp_mesh.size()
     for block in model.blocks:
         attn = block.attn
-        if attn.heads % tp:
-            raise ValueError(f"{attn.heads} heads do not split over tp={tp}")
-        with torch.no_grad():
-            attn.qkv.weight.copy_(group_rows(attn.qkv.weight, tp))
-            attn.qkv.bias.copy_(group_rows(attn.qkv.bias, tp))
-        parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                                            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
-        attn.heads //= tp
+        plan = {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        if attn.heads % tp == 0:  # else attention stays whole on every rank, as jaxdp's tp_plan does
+            with torch.no_grad():
+                attn.qkv.weight.copy_(group_rows(attn.qkv.weight, tp))
+                attn.qkv.bias.copy_(group_rows(attn.qkv.bias, tp))
+            plan.update({"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()})
+            attn.heads //= tp
+        parallelize_module(block, tp_mesh, plan)
 
 
 def dtensor_layouts(model) -> Dict[str, tuple]:
@@ -64,7 +67,7 @@ def canonical(name: str, t: torch.Tensor, tp: int, layouts: Mapping[str, tuple])
     if not isinstance(t, DTensor) and name in layouts:  # a local shard of a tensor-parallel param
         t = DTensor.from_local(t, *layouts[name], run_check=False)
     t = t.full_tensor() if isinstance(t, DTensor) else t
-    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+    if name in layouts and name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # split, so regrouped
         t = group_rows(t, tp, to_rank_order=False)
     return t.detach().cpu().numpy().copy()
 
@@ -81,6 +84,26 @@ def _data_parallel(model, dp_mesh, strategy: str):
     raise ValueError(f"torch_ref's tensor-parallel twin runs ddp or zero3, not {strategy!r}")
 
 
+def build_vit(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray], mesh):
+    """This rank's tensor-parallel ViT from the full ``state_dict``, and its ``canonical(name, t)``."""
+    from torch_ref.vit import VisionTransformer
+
+    model = VisionTransformer(**cfg["model"]).to(getattr(torch, cfg["dtype"]))
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()})
+    parallelize_vit(model, mesh["tp"])
+    layouts = dtensor_layouts(model)
+    tp = mesh["tp"].size()
+    return model, lambda name, t: canonical(name, t, tp, layouts)
+
+
+def _builder(family: str):
+    if family == "resnet":  # channel-parallel by hand: torch's TP styles refuse Conv2d
+        from torch_ref.resnet_tp import build
+
+        return build
+    return build_vit
+
+
 def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
                   batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
     """One rank's steps; every rank returns the records (the same on all)."""
@@ -88,15 +111,11 @@ def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
     from torch.distributed.device_mesh import init_device_mesh
 
     from torch_ref.strategies import optimizer_for
-    from torch_ref.vit import VisionTransformer
 
-    dp, tp = cfg["dp"], cfg["tp"]
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp = cfg["dp"]
+    mesh = init_device_mesh("cpu", (dp, cfg["tp"]), mesh_dim_names=("dp", "tp"))
     dtype = getattr(torch, cfg["dtype"])
-    model = VisionTransformer(**cfg["model"]).to(dtype)
-    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()})
-    parallelize_vit(model, mesh["tp"])
-    layouts = dtensor_layouts(model)
+    model, full = _builder(cfg.get("family", "vit"))(cfg, state_dict, mesh)
     wrapped = _data_parallel(model, mesh["dp"], cfg["strategy"])
     # Held from here on: DDP's forward hooks swap tensor-parallel params between their local
     # shards and DTensors, and after the first forward model.named_parameters() lists only
@@ -114,11 +133,15 @@ def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
         per_rank = torch.zeros(dp, dtype=torch.float64)
         per_rank[me] = loss.detach().double()
         dist.all_reduce(per_rank, group=mesh["dp"].get_group())
-        grads = {n: canonical(n, p.grad, tp, layouts) for n, p in named}
+        grads = {n: full(n, p.grad) for n, p in named}
         optimizer.step()
-        params = {n: canonical(n, p.detach(), tp, layouts) for n, p in named}
         records.append({"loss": float(per_rank.mean()), "loss_per_rank": per_rank.tolist(), "grads": grads,
-                        "params": params})
+                        "params": {n: full(n, p.detach()) for n, p in named}})
+        # BatchNorm running statistics (a ResNet's), as dp rank 0 holds them: DDP broadcasts
+        # them from there before each forward.
+        buffers = {n: full(n, b) for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))}
+        if buffers:
+            records[-1]["buffers"] = buffers
     return records
 
 

@@ -90,10 +90,15 @@ class VisionTransformer(nn.Module):
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classify(self.blocks(self.embed(x)))
+
+    # The first and last pipeline layers (torch_ref/pipeline.py's stages call them too).
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        x = self.norm(self.blocks(x))
-        return self.head(x[:, 0])
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x)[:, 0])
 
 
 # The module classes torch_ref.strategies fully_shards as FSDP units.

@@ -4,17 +4,22 @@ Jax-free at import: the parser is built before ``--devices`` sets XLA's device c
 """
 
 import json
+import math
 import sys
 
 from jaxdp.analysis.measure import InspectError, inspect_strategy
 from jaxdp.analysis.report import format_report
-from jaxdp.flags import comma_ints
+from jaxdp.flags import VIT_SIZES, add_mesh_flag, add_vit_flags, comma_ints
+
+DEFAULT_DEVICES = 8
 
 def add_inspect_args(p) -> None:
     from jaxdp import choices
 
     p.add_argument("--strategy", default="zero3", metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
-    p.add_argument("--devices", type=int, default=8, help="devices (simulated on CPU)")
+    p.add_argument("--devices", type=int, default=None, help=f"devices (simulated on CPU; default {DEFAULT_DEVICES})")
+    add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
+                          "axis")
     p.add_argument("--mesh-shape", type=comma_ints, default=None, help="hsdp: replicas,shards")
     p.add_argument("--allreduce", default=None, metavar=choices.listing(choices.ALLREDUCES), help="ddp/async/zero1")
     p.add_argument("--compress", default=None, metavar=choices.listing(choices.COMPRESSIONS), help="ddp/zero1 (async: bf16, fp16)")
@@ -34,24 +39,41 @@ def add_model_args(p) -> None:
     p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
     p.add_argument("--width", type=int, default=64, help="ResNet: channels of the first stage (64 = torchvision)")
     p.add_argument("--blocks", type=comma_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the model's)")
+    add_vit_flags(p)
     p.add_argument("--stem", default="cifar", metavar=choices.listing(choices.STEMS), help="ResNet stem")
     p.add_argument("--optimizer", default="sgd", metavar=choices.listing(choices.OPTIMIZERS), help="sgd with momentum 0.9")
     p.add_argument("--dtype", default="float32", metavar=choices.listing(choices.DTYPES), help="params and compute")
     p.add_argument("--image-size", type=int, default=32, help="square input images of this side")
 
 
+def _mesh_and_devices(args):
+    """(named mesh sizes or None, device count): ``--mesh`` or ``--devices`` (default 8), simulated
+    on CPU before jax starts."""
+    from jaxdp.mesh import mesh_sizes, simulate_cpu_devices
+
+    mesh = mesh_sizes(args.mesh, args.devices) if args.mesh else None
+    devices = math.prod(mesh.values()) if mesh else args.devices or DEFAULT_DEVICES
+    simulate_cpu_devices(devices)  # a no-op once jax runs or XLA_FLAGS fixes the count
+    return mesh, devices
+
+
 def run(args) -> int:
+    from jaxdp.mesh import MeshError
+    from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 
     options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness")
                if getattr(args, k) is not None}
+    vit = {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None}
     try:
+        mesh, devices = _mesh_and_devices(args)
         report = inspect_strategy(
-            args.strategy, args.devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
+            args.strategy, devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
             optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
             image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
+            mesh=mesh, vit=vit,
         )
-    except (InspectError, StrategyError) as e:  # e.g. --compress on zero2/3: one line, exit 2
+    except (InspectError, StrategyError, MeshError, ModelError) as e:  # e.g. --compress on zero2/3: one line
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))

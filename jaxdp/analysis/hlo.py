@@ -67,6 +67,15 @@ def replica_groups(line: str, num_devices: int):
     return [list(range(num_devices))]
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def permute_pairs(line: str):
+    """A collective-permute's ``source_target_pairs={{0,1},{1,2}}`` as [[0, 1], [1, 2]]."""
+    m = _PAIRS.search(line)
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))] if m else []
+
+
 def _result_text(line: str, op_start: int) -> str:
     return line[line.index("=") + 1:op_start]
 
@@ -172,7 +181,8 @@ def parse_collectives(hlo_text: str, num_devices: int) -> dict:
     Returns ``{"ops": {kind: {"count", "input_bytes", "output_bytes", "ring_bytes", "by_groups"}},
     "ring_bytes": total, "conditionals": [ring bytes per branch, ...], "unknown_trip_counts": n}``.
     ``ops`` counts every op, in every branch; ``ring_bytes`` counts the larger branch of each
-    conditional. ``by_groups``: per distinct replica-group layout (None for collective-permute).
+    conditional. ``by_groups``: per distinct replica-group layout (collective-permute: groups None, per
+    distinct ``pairs``, its source/target device pairs).
     """
     computations, order = _split_computations(hlo_text)
     runs, branch_of, branch_counts, unknown = _call_graph(computations, order)
@@ -198,7 +208,8 @@ def parse_collectives(hlo_text: str, num_devices: int) -> dict:
             entry["input_bytes"] += k * inp
             entry["output_bytes"] += k * out
             entry["ring_bytes"] += k * ring
-            _add_to_groups(entry["by_groups"], groups, k, out, ring)
+            _add_to_groups(entry["by_groups"], groups, k, out, ring,
+                           permute_pairs(line) if kind == "collective-permute" else None)
             if name in branch_of:
                 cid, branch = branch_of[name]
                 branch_ring[cid][branch] += k * ring
@@ -209,12 +220,15 @@ def parse_collectives(hlo_text: str, num_devices: int) -> dict:
             "conditionals": conditionals, "unknown_trip_counts": unknown}
 
 
-def _add_to_groups(by_groups: list, groups, k: int, out: float, ring: float) -> None:
+def _add_to_groups(by_groups: list, groups, k: int, out: float, ring: float, pairs=None) -> None:
+    """Per distinct replica groups (a collective-permute: per distinct ``pairs``)."""
     for entry in by_groups:
-        if entry["groups"] == groups:
+        if entry["groups"] == groups and entry.get("pairs") == pairs:
             break
     else:
         entry = {"groups": groups, "count": 0, "output_bytes": 0.0, "ring_bytes": 0.0}
+        if pairs is not None:
+            entry["pairs"] = pairs
         by_groups.append(entry)
     entry["count"] += k
     entry["output_bytes"] += k * out

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxdp.analysis.axes import axis_report
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
 from jaxdp.analysis.state import kept_grad_bytes, state_bytes, strategy_formulas
 
@@ -24,25 +25,29 @@ class InspectError(ValueError):
 def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int = 64,
                      blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
                      dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
-                     mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0) -> dict:
+                     mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0,
+                     mesh: Optional[dict] = None, vit: Optional[dict] = None) -> dict:
     """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
-    starts) for a freshly initialised model, and ``measure`` it. ``options``: the strategy's
-    own (``allreduce``, ``compress``, ``powersgd_rank``, ``staleness``); zero3 and hsdp get
-    the model's FSDP units (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``."""
+    starts), or on the named ``mesh`` (``{"data": 2, "model": 2}``), for a freshly initialised
+    model, and ``measure`` it. ``options``: the strategy's own (``allreduce``, ``compress``,
+    ``powersgd_rank``, ``staleness``); zero3 and hsdp get the model's FSDP units
+    (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``. ``vit``: a ViT's sizes
+    (depth, dim, heads, mlp_dim, patch)."""
     import jax
 
     from jaxdp.mesh import make_mesh
-    from jaxdp.models import create_model
+    from jaxdp.models import create_model, family
     from jaxdp.strategies import options_of
 
     if batch_per_device < 1 or image_size < 1:
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
     if dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
+    sizes = dict(vit or {}, **({"image_size": image_size} if family(model) == "vit" else {}))
+    net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype, **sizes)
     check_batchnorm_has_values(net, batch_per_device, image_size)
     options = dict(options or {}, **({"mesh_shape": mesh_shape} if name == "hsdp" else {}))
-    strategy = build_strategy(name, make_mesh(n), net, optimizer, options)
+    strategy = build_strategy(name, make_mesh(**mesh) if mesh else make_mesh(n), net, optimizer, options)
     rng = np.random.default_rng(seed)
     global_batch = batch_per_device * strategy.num_devices
     batch = {"image": rng.normal(size=(global_batch, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
@@ -118,20 +123,25 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
     sharded = strategy.shard_batch(batch)
     formulas = strategy_formulas(strategy)
     state_formulas = {part: formulas.pop(part) for part in ("formula", "formula_padded")}
-    measured = state_bytes(state, strategy, strategy.shapes)
+    measured = state_bytes(state, strategy, strategy.local_shapes)
     measured["grads"] = kept_grad_bytes(strategy, state, sharded)
     report = {
-        "strategy": strategy.name, "devices": strategy.num_devices, "shards": strategy.shards, **formulas,
+        "strategy": strategy.name, "devices": strategy.num_devices, "shards": strategy.shards,
+        "mesh": {name: int(size) for name, size in strategy.mesh.shape.items()}, **formulas,
         "batch_per_device": int(images.shape[0]) // strategy.num_devices, "image_size": images.shape[-2],
         "state": {"measured": measured, **state_formulas},
     }
+    devices = strategy.mesh.devices.size  # every device of the mesh, model and stage axes too
     if compile:
         lowered = strategy.lower_step(state, sharded)
         compiled = lowered.compile()
         report["memory"] = compiled_memory(compiled)
-        report["collectives"] = parse_collectives(compiled.as_text(), strategy.num_devices)
+        report["collectives"] = parse_collectives(compiled.as_text(), devices)
         # The program as written, before XLA's passes: XLA:CPU promotes a bf16 all-reduce to f32
         # (measured: 2x the bytes for --compress bf16; fp16 stays 2 bytes).
-        written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), strategy.num_devices)
+        written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), devices)
         report["ring_bytes_as_written"] = written["ring_bytes"]
+    report["axes"] = axis_report(strategy, report.get("collectives"), report.get("memory", {}).get("temp"),
+                                 report["opt_bytes_per_param"], report["batch_per_device"], report["image_size"],
+                                 report["traffic_formula_bytes"], jax.ShapeDtypeStruct(images.shape[1:], images.dtype))
     return report

@@ -1,5 +1,7 @@
 """``jaxdp inspect``'s table: a ``measure`` report (a dict) as text."""
 
+import numpy as np
+
 from jaxdp.analysis.state import COMPRESSED_BYTES
 
 
@@ -23,14 +25,17 @@ def _formula_name(r: dict) -> str:
 
 def format_report(r: dict) -> str:
     mesh = f" (mesh {r['mesh_shape'][0]}x{r['mesh_shape'][1]})" if r.get("mesh_shape") else ""
+    if _model_parallel(r):
+        mesh = " (mesh " + " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) + ")"
     size = f" width {r['width']} blocks {','.join(map(str, r['blocks']))}" if r.get("blocks") else ""  # a ResNet's
     what = f": {r['model']}{size}, {r['dtype']}, {r['optimizer']}" if "model" in r else ""
     options = "".join(f", {k} {v}" for k, v in r.get("options", {}).items() if k != "mesh_shape")
     lines = [
-        f"{r['strategy']} on {r['devices']} devices{mesh}{what}{options} "
+        f"{r['strategy']} on {_device_count(r)} devices{mesh}{what}{options} "
         f"(p = {r['param_bytes']} B, K = {r['opt_bytes_per_param']} B per param)",
-        f"Ψ = {r['psi']:,} params; padded for {r['shards']} shards: {r['psi_padded']:,} "
-        f"(+{r['psi_padded'] - r['psi']:,})"
+        f"Ψ = {r['psi']:,} params"
+        + (f"; Ψ_local (one model device's) = {r['psi_local']:,}" if _model_parallel(r) else "")
+        + f"; padded for {r['shards']} shards: {r['psi_padded']:,} (+{r['psi_padded'] - r.get('psi_local', r['psi']):,})"
         + (f"; root unit (outside every FSDP unit, gathered once per step): {r['psi_root_padded']:,}"
            if r.get("psi_root_padded") is not None else ""),
         "",
@@ -54,7 +59,57 @@ def format_report(r: dict) -> str:
             + f"; argument+temp {_mb(m['argument'] + m['temp'])}"]
     if "collectives" in r:
         lines += [""] + _format_collectives(r)
+    if _model_parallel(r):
+        lines += [""] + _format_axes(r)
     return "\n".join(lines)
+
+
+def _device_count(r: dict) -> int:
+    """Every device of the mesh (``devices`` counts the data-parallel ones)."""
+    return int(np.prod(list(r["mesh"].values()))) if _model_parallel(r) else r["devices"]
+
+
+def _model_parallel(r: dict) -> bool:
+    """A mesh with a model or stage axis of size > 1: the per-axis section is printed."""
+    return any(r.get("mesh", {}).get(a, 1) > 1 for a in ("model", "stage"))
+
+
+def _format_axes(r: dict) -> list:
+    """Bytes per device by the axes each part is cut over, activations, and traffic per mesh axis."""
+    a = r["axes"]
+    lines = [f"per mesh axis: Ψ_rep (whole on every model device) {a['psi_rep']:,}, Ψ_split (cut over model) "
+             f"{a['psi_split']:,}, Ψ_local = Ψ_rep + Ψ_split/M = {a['psi_local']:,}",
+             f"{'bytes per device':<22}" + "".join(f"{_cut(k):>22}" for k in _state_labels(a)) + f"{'total':>14}"]
+    for part, label in (("params", "params"), ("grads", "grads"), ("opt", "optimizer state")):
+        by = a["state"][part]
+        lines.append(f"{label:<22}" + "".join(f"{_mb(by.get(k, {}).get('bytes', 0)):>22}" for k in _state_labels(a))
+                     + f"{_mb(sum(v['bytes'] for v in by.values())):>14}")
+    if a.get("activations") is not None:
+        lines.append(f"{'activations (temp)':<22}{_mb(a['activations']):>22}")
+    if "traffic" in a:
+        lines.append(f"{'traffic / step':<22}{'count':>8}{'ring B / device':>18}{'formula':>16}  ops")
+        for axes, t in sorted(a["traffic"].items()):
+            f = a["traffic_formula"].get(axes)
+            ops = ", ".join(f"{k} {v:,.0f}" for k, v in t["ops"].items())
+            lines.append(f"{'over ' + axes:<22}{t['count']:>8}{t['ring_bytes']:>18,.0f}{_mb(f):>16}  {ops}")
+        lines.append("formulas: data = the strategy's over Ψ_local; model = 4·depth·2(M-1)/M·B·T·d·b "
+                     "(Megatron: two layer pairs per block, one all-reduce each in forward and backward); "
+                     "stage = 2(M+S-1)·(B/M)·a (GPipe: one permute of a micro-batch's boundary buffer per tick)")
+    pipe = a.get("pipeline")
+    if pipe is not None:
+        lines.append(f"pipeline (stage axis): S = {pipe['stages']} stages, M = {pipe['microbatches']} micro-batches; "
+                     f"params {_mb(pipe['params_bytes']).strip()} B per device (L = {pipe['stage_length']:,}); "
+                     f"boundary activations in flight {_mb(pipe.get('activations_in_flight_bytes')).strip()} B; "
+                     f"bubble (S-1)/(M+S-1) = {pipe['bubble_formula']:.2f}")
+    return lines
+
+
+def _cut(axes: str) -> str:
+    return "replicated" if axes == "-" else "cut over " + axes
+
+
+def _state_labels(a: dict) -> list:
+    return sorted({k for part in a["state"].values() for k in part}, key=lambda k: (k.count("+"), k))
 
 
 def _format_collectives(r: dict) -> list:

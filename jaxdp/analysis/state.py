@@ -242,11 +242,15 @@ def strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape, root
 
 def strategy_formulas(strategy) -> dict:
     """Everything the formulas say about a built strategy (its ``shapes`` known), from shapes alone:
-    Ψ, Ψ_pad, Ψ_root, p, K (from the optimizer itself: its per-parameter state as DDP holds it),
-    the ZeRO table per device (exact and padded) and the traffic per step."""
+    Ψ (whole model) and Ψ_local, Ψ_pad, Ψ_root, p, K (from the optimizer itself: its per-parameter
+    state as DDP holds it), the ZeRO table per device (exact and padded) and the traffic per step.
+    The table and the data-parallel traffic apply to what one device of the model axis holds
+    (the full params without one: Ψ_local = Ψ; ``jaxdp.analysis.axes``)."""
     import jax
 
-    params = strategy.shapes  # the full params' shapes and dtypes
+    from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
+
+    params = strategy.local_shapes
     leaves = jax.tree_util.tree_leaves(params)
     psi = int(sum(np.prod(x.shape) for x in leaves))
     p = int(np.dtype(leaves[0].dtype).itemsize)
@@ -257,9 +261,9 @@ def strategy_formulas(strategy) -> dict:
     per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
     k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
     formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
-    mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.devices.ndim == 2 else None
-    return {"psi": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
-            "opt_bytes_per_param": k, "mesh_shape": mesh_shape, "formula": formula["exact"],
-            "formula_padded": formula["padded"],
+    mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.axis_names == (REPLICA_AXIS, DATA_AXIS) else None
+    return {"mesh_shape": mesh_shape, "psi": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(strategy.shapes))),
+            "psi_local": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
+            "opt_bytes_per_param": k, "formula": formula["exact"], "formula_padded": formula["padded"],
             "traffic_formula_bytes": strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape,
                                                               root_pad or 0)}

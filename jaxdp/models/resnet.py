@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp.models.batchnorm import BatchNorm
+from jaxdp.models.resnet_parallel import TP_PLAN, summed_values  # noqa: F401 - found beside the model by jaxdp.parallel.tensor
+from jaxdp.parallel.tensor import model_axis_size, summed_over
 
 # torch's kaiming_normal_(mode="fan_out", nonlinearity="relu"): untruncated normal.
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
@@ -31,14 +33,27 @@ def linear_bias_init(fan_in):
 
 
 class _Layers(nn.Module):
-    """Shared conv/BN factories so every block pads and normalises identically."""
+    """Shared conv/BN factories so every block pads and normalises identically.
+
+    ``model_axis``: run channel-parallel over that mesh axis (inside ``shard_map``; see
+    ``resnet_parallel.py``): each block's first convolution computes this device's slice of
+    its channels and the second sums its partial output over the axis. None (the default,
+    and always at init): the whole model.
+    """
 
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     bn_axis_name: Optional[str] = None
+    model_axis: Optional[str] = None
 
-    def conv(self, features, kernel, stride=1, name=None):
+    @property
+    def split(self) -> int:
+        """How many ways a block's inner channels are split (1: not split)."""
+        return model_axis_size(self.model_axis)
+
+    def conv(self, features, kernel, stride=1, name=None, row_parallel: bool = False):
         pad = kernel // 2
+        summed = row_parallel and self.model_axis is not None
         return nn.Conv(
             features,
             (kernel, kernel),
@@ -49,6 +64,7 @@ class _Layers(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name=name,
+            conv_general_dilated=summed_over(self.model_axis, jax.lax.conv_general_dilated) if summed else None,
         )
 
     def bn(self, name=None):
@@ -77,9 +93,9 @@ class BasicBlock(_Layers):
     @nn.compact
     def __call__(self, x, train):
         identity = x
-        y = self.conv(self.planes, 3, self.stride, name="conv1")(x)
+        y = self.conv(self.planes // self.split, 3, self.stride, name="conv1")(x)
         y = nn.relu(self.bn(name="bn1")(y, train))
-        y = self.conv(self.planes, 3, name="conv2")(y)
+        y = self.conv(self.planes, 3, name="conv2", row_parallel=True)(y)
         y = self.bn(name="bn2")(y, train)
         if self.stride != 1 or x.shape[-1] != self.planes:
             identity = self._downsample(x, train)
@@ -100,9 +116,9 @@ class Bottleneck(BasicBlock):
     @nn.compact
     def __call__(self, x, train):
         identity = x
-        y = self.conv(self.planes, 1, name="conv1")(x)
+        y = self.conv(self.planes // self.split, 1, name="conv1")(x)
         y = nn.relu(self.bn(name="bn1")(y, train))
-        y = self.conv(self.planes, 3, self.stride, name="conv2")(y)
+        y = self.conv(self.planes, 3, self.stride, name="conv2", row_parallel=True)(y)
         y = nn.relu(self.bn(name="bn2")(y, train))
         y = self.conv(self.planes * 4, 1, name="conv3")(y)
         y = self.bn(name="bn3")(y, train)
@@ -121,13 +137,15 @@ class Stage(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     bn_axis_name: Optional[str] = None
+    model_axis: Optional[str] = None
 
     @nn.compact
     def __call__(self, x, train):
         for i in range(self.num_blocks):
             x = self.block(
                 planes=self.planes, stride=self.stride if i == 0 else 1, dtype=self.dtype,
-                param_dtype=self.param_dtype, bn_axis_name=self.bn_axis_name, name=str(i),
+                param_dtype=self.param_dtype, bn_axis_name=self.bn_axis_name, model_axis=self.model_axis,
+                name=str(i),
             )(x, train)
         return x
 
@@ -138,6 +156,14 @@ class ResNet(_Layers):
     width: int = 64
     num_classes: int = 10
     stem: str = "cifar"  # "cifar": 3x3/1 conv, no maxpool; "imagenet": 7x7/2 conv + maxpool
+
+    def check_model_split(self, size: int):
+        """Why this ResNet cannot run channel-parallel over ``size`` devices, or None if it can."""
+        planes = [self.width * 2**i for i in range(len(self.stage_sizes))]
+        if any(p % size for p in planes):
+            return (f"a ResNet of width {self.width} cannot be split over model={size}: its blocks' inner "
+                    f"channels ({', '.join(map(str, planes))}) must all divide by it")
+        return None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -153,7 +179,8 @@ class ResNet(_Layers):
             x = Stage(
                 block=self.block, planes=self.width * 2**i, num_blocks=num_blocks,
                 stride=1 if i == 0 else 2, dtype=self.dtype,
-                param_dtype=self.param_dtype, bn_axis_name=self.bn_axis_name, name=f"layer{i + 1}",
+                param_dtype=self.param_dtype, bn_axis_name=self.bn_axis_name, model_axis=self.model_axis,
+                name=f"layer{i + 1}",
             )(x, train)
         x = x.mean(axis=(1, 2))
         fan_in = x.shape[-1]

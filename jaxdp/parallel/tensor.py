@@ -60,14 +60,15 @@ class Row:
 
 
 @functools.lru_cache(maxsize=None)
-def summed_over(axis: str):
-    """A ``dot_general`` for ``flax.linen.Dense(dot_general=...)`` that all-reduces its
-    product over ``axis``: the row-parallel layer. Dense adds its bias after it, once.
+def summed_over(axis: str, op=jax.lax.dot_general):
+    """``op`` (``dot_general`` for ``flax.linen.Dense(dot_general=...)``, or
+    ``conv_general_dilated`` for ``nn.Conv(conv_general_dilated=...)``) with its product
+    all-reduced over ``axis``: the row-parallel layer. The layer adds its bias after it, once.
     Cached, so that two modules built for the same axis compare equal."""
 
-    def dot_general(*args, **kwargs):
-        return jax.lax.psum(jax.lax.dot_general(*args, **kwargs), axis)
-    return dot_general
+    def summed(*args, **kwargs):
+        return jax.lax.psum(op(*args, **kwargs), axis)
+    return summed
 
 
 def model_axis_size(axis: Optional[str]) -> int:
@@ -83,11 +84,12 @@ def path_name(path) -> str:
 class TensorParallel:
     """One model's plan on a mesh's ``model`` axis of ``size`` devices."""
 
-    def __init__(self, plan: Mapping[str, object], size: int, axis: str = MODEL_AXIS):
+    def __init__(self, plan: Mapping[str, object], size: int, axis: str = MODEL_AXIS, note: Optional[str] = None):
         bad = {p: r for p, r in plan.items() if not isinstance(r, (Column, Row))}
         if bad:
             raise TensorParallelError(f"a tensor-parallel plan maps paths to Column() or Row(), got {bad!r}")
         self.plan, self.size, self.axis = dict(plan), size, axis
+        self.note = note  # one line for the user (the trainer prints it), e.g. a layer left whole
 
     def rule(self, path: str):
         for pattern, rule in self.plan.items():
@@ -144,9 +146,16 @@ class TensorParallel:
             raise TensorParallelError(f"tensor-parallel rules match no variable: {', '.join(unused)}")
 
 
-def plan_of(model):
-    """The ``TP_PLAN`` declared beside the model's class (its module), or None."""
-    return getattr(sys.modules.get(type(model).__module__), "TP_PLAN", None)
+def plan_of(model, size: int):
+    """The plan declared beside the model's class (its module) for ``size`` model devices:
+    ``tp_plan(model, size)`` where the plan depends on the model's sizes, else ``TP_PLAN``; or None."""
+    make = beside(model, "tp_plan")
+    return make(model, size) if make is not None else beside(model, "TP_PLAN")
+
+
+def beside(model, name: str):
+    """What the model's class module declares as ``name`` (its tensor-parallel facts), or None."""
+    return getattr(sys.modules.get(type(model).__module__), name, None)
 
 
 def for_mesh(model, mesh, plan=None) -> Optional[TensorParallel]:
@@ -154,7 +163,7 @@ def for_mesh(model, mesh, plan=None) -> Optional[TensorParallel]:
     size = axis_size(mesh, MODEL_AXIS)
     if size == 1:
         return None
-    plan = plan if plan is not None else plan_of(model)
+    plan = plan if plan is not None else plan_of(model, size)
     if plan is None:
         raise TensorParallelError(
             f"{type(model).__name__} has no tensor-parallel plan for the mesh's model axis: declare TP_PLAN "
@@ -165,4 +174,5 @@ def for_mesh(model, mesh, plan=None) -> Optional[TensorParallel]:
     if not hasattr(model, "model_axis"):
         raise TensorParallelError(f"{type(model).__name__} cannot run split over the model axis: it needs a "
                                   "`model_axis` attribute that splits its layers (see jaxdp/models/vit)")
-    return TensorParallel(plan, size)
+    note = model.model_split_note(size) if hasattr(model, "model_split_note") else None
+    return TensorParallel(plan, size, note=note)

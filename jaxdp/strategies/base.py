@@ -16,7 +16,7 @@ each tensor sharded over the data axis along a dimension N divides (``stored_spe
 so each device writes only its part and any strategy at any N can read it.
 """
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp import compile_options, task as tasks
 from jaxdp.mesh import DATA_AXIS, shard_batch
-from jaxdp.parallel import tensor
+from jaxdp.parallel import pipeline, tensor
 from jaxdp.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.buckets import insertion_order_paths
@@ -153,7 +153,7 @@ class Strategy:
 
     def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
                  axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0, tp_plan=None,
-                 log_grad_norm: bool = False, compiler_options=None):
+                 log_grad_norm: bool = False, microbatches: Optional[int] = None, compiler_options=None):
         if accum_steps < 1:
             raise StrategyError(f"accum_steps must be >= 1, got {accum_steps}")
         if axis not in mesh.axis_names:
@@ -179,17 +179,28 @@ class Strategy:
         # Tensor parallelism over the mesh's model axis, when it has one (jaxdp.parallel.tensor).
         try:
             self.tp = tensor.for_mesh(model, mesh, tp_plan)
-        except tensor.TensorParallelError as e:
+            # Pipeline stages over the mesh's stage axis (jaxdp.parallel.pipeline): the stacked
+            # params are placed as a tensor split along their stage dim.
+            self.pp = pipeline.for_mesh(model, mesh, microbatches, _as_tuple(self.batch_axes))
+        except (tensor.TensorParallelError, pipeline.PipelineError) as e:
             raise StrategyError(str(e)) from None
+        if microbatches is not None and self.pp is None:
+            raise StrategyError("microbatches are pipeline micro-batches: they need a mesh with a stage axis")
+        self.tp = self.pp.split if self.pp is not None else self.tp
         self.placement = Placement(self.tp, self.shards, axis)
         self.init_model = _with_bn_axis(model, None)  # model.init runs outside shard_map: no axes
+        if self.pp is not None:
+            self.init_model = pipeline.StackedInit(self.init_model, self.pp)
         if sync_bn and not hasattr(model, "bn_axis_name"):
             raise StrategyError("sync_bn needs a model whose BatchNorm takes its reduction axes as `bn_axis_name`")
         self.model = self._in_mesh(_with_bn_axis(model, self.batch_axes if sync_bn else None))
         rebind = sync_bn or self.tp is not None
         try:
-            self.task = task.with_model(self.model) if rebind else task
-            self.eval_task = task.with_model(self._in_mesh(self.init_model)) if rebind else task
+            if self.pp is not None:  # the model's layers run stage by stage
+                self.task = self.eval_task = pipeline.PipelinedClassifier(self.pp, task)
+            else:
+                self.task = task.with_model(self.model) if rebind else task
+                self.eval_task = task.with_model(self._in_mesh(self.init_model)) if rebind else task
         except ValueError as e:
             raise StrategyError(str(e)) from None
         self.shapes = None  # the full params' shapes, known once a state is built
@@ -200,7 +211,7 @@ class Strategy:
 
     def _in_mesh(self, model):
         """The model as it runs inside ``shard_map``: tensor-parallel over ``model`` if the mesh says so."""
-        return model if self.tp is None else model.clone(model_axis=self.tp.axis)
+        return model if self.tp is None or self.pp is not None else model.clone(model_axis=self.tp.axis)
 
     # -- learning the model's structure (abstractly: nothing is computed) -----------------------
     def init_fn(self, rng, batch):
@@ -310,7 +321,7 @@ class Strategy:
 
     def from_canonical(self, state: TrainState) -> TrainState:
         """DDP's layout (full tensors, e.g. from torch or a single device) -> this strategy's, on this mesh."""
-        self.shapes = layout.shapes_of(state.params)
+        self.shapes = layout.shapes_of(state.params if self.pp is None else jax.eval_shape(self.pp.stack, state.params))
         if state.extra is None and self.init_extra(self.shapes) is not None:
             state = state.replace(extra=self.init_extra(self.shapes))
         state = jax.device_put(state, NamedSharding(self.mesh, P()))  # a plain transfer first
@@ -328,6 +339,8 @@ class Strategy:
         place, canonical = self.placement, self.shapes
 
         def convert(s):
+            if self.pp is not None:  # the canonical tree -> the stages' stacked vectors
+                s = pipeline.relayout(s, self.tx, self.pp.stack)
             return _copy(s).replace(
                 params=_copy(place.tree(lambda path, x: place.to_state(path, x, self.sharded_params), s.params,
                                         "params")),
@@ -340,11 +353,12 @@ class Strategy:
         place, canonical = self.placement, self.shapes
 
         def convert(s):
-            return _copy(s).replace(
+            s = _copy(s).replace(
                 params=place.tree(lambda path, x, c: place.from_state(path, x, c.shape, self.sharded_params),
                                   s.params, "params", canonical),
                 opt_state=place.opt_map(self.tx, lambda path, x, c: place.from_state(
                     path, x, c.shape, self.sharded_opt_state), s.opt_state, canonical))
+            return s if self.pp is None else pipeline.relayout(s, self.tx, self.pp.unstack)
         return convert
 
     def with_grad_norm(self, out, grads, chunked: bool):
@@ -370,7 +384,8 @@ class Strategy:
         """The ``return_grads`` gradients (this strategy's full per-model-slice layout) in canonical order."""
         if self.tp is None:
             return grads
-        return self.placement.tree(self.tp.from_state, grads, "params")
+        grads = self.placement.tree(self.tp.from_state, grads, "params")
+        return grads if self.pp is None else self.pp.unstack(grads)
 
     def _converted(self, kind: str, make_convert, state, out_shardings):
         """``make_convert()(state)`` under one jit per (kind, state structure and shapes), placed by
@@ -575,12 +590,10 @@ def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
 def _check_model_parallel_axes(strategy, mesh) -> None:
     from jaxdp.mesh import MODEL_AXIS, STAGE_AXIS, axis_size
 
-    if axis_size(mesh, STAGE_AXIS) > 1:
-        raise StrategyError(f"{strategy.name}: pipeline stages (mesh stage={axis_size(mesh, STAGE_AXIS)}) are not "
-                            "supported yet; use data and model axes")
-    if axis_size(mesh, MODEL_AXIS) > 1 and not strategy.model_parallel:
-        raise StrategyError(f"{strategy.name} runs over the data axis only, but the mesh has "
-                            f"model={axis_size(mesh, MODEL_AXIS)}: use ddp, zero1, zero2 or zero3 with a model axis")
+    for axis in (MODEL_AXIS, STAGE_AXIS):
+        if axis_size(mesh, axis) > 1 and not strategy.model_parallel:
+            raise StrategyError(f"{strategy.name} runs over the data axis only, but the mesh has "
+                                f"{axis}={axis_size(mesh, axis)}: use ddp, zero1, zero2 or zero3 with a {axis} axis")
 
 
 def _full_specs(specs, tree):

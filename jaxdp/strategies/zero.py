@@ -111,6 +111,9 @@ class ZeRO(Strategy):
         elif mesh_shape is not None:
             raise StrategyError("mesh_shape is hsdp's (replicas, shards)")
         super().__init__(model, task, tx, mesh, **kwargs)
+        if units and self.pp is not None:
+            raise StrategyError("zero3 units are gathered module by module; on pipeline stages each stage's "
+                                "params are one vector, gathered whole: drop units")
         refuse_with_tensor_parallel(self, allreduce, compress)
         self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)

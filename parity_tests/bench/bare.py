@@ -99,7 +99,7 @@ def bare_jax_step(cfg: dict, images: np.ndarray, labels: np.ndarray):
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
 
-    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"])
+    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"], **cfg.get("vit", {}))
     tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
     x, y = jax.device_put(np.asarray(images, np.dtype(net.dtype))), jax.device_put(np.asarray(labels, np.int32))
     variables = jax.jit(lambda x: net.init(jax.random.key(0), x, train=False))(x)
@@ -169,7 +169,7 @@ def _bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
     torch.set_num_threads(1)
     device = torch.device("cuda" if cuda_host() and torch.cuda.is_available() else "cpu")
     dtype = torch.float64 if cfg["dtype"] == "float64" else torch.float32  # bfloat16: autocast, f32 weights
-    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"]).to(device, dtype)
+    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], **cfg.get("vit", {})).to(device, dtype)
     opt = optimizer_for(list(net.parameters()), cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
     x = torch.from_numpy(np.ascontiguousarray(np.asarray(images).transpose(0, 3, 1, 2))).to(device, dtype)
     y = torch.from_numpy(np.asarray(labels, np.int64)).to(device)

@@ -8,13 +8,15 @@ Jax- and torch-free at import: the device count and XLA flags are set before jax
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from jaxdp.commands import Command
-from jaxdp.flags import comma_ints
+from jaxdp.flags import VIT_SIZES, comma_ints
 from parity_tests.bench import cuda_host
 from parity_tests.bench.bare import bare_markdown
 from parity_tests.bench.jax_side import prepare_jax
+from parity_tests.bench.layouts import layout_markdown, run_layouts
 from parity_tests.bench.report import HEADER, markdown, plots
 from parity_tests.bench.runner import run_bench
 
@@ -23,13 +25,14 @@ QUICK = dict(width=8, blocks=(1, 1, 1, 1), global_batch=16, steps=10, warmup=2, 
 
 def add_bench_args(p) -> None:
     from jaxdp import choices
-    from jaxdp.flags import deprecated_alias
+    from jaxdp.flags import add_vit_flags, deprecated_alias
 
     p.add_argument("--strategies", default=None, help="comma list (default: every registered strategy)")
     p.add_argument("--devices", dest="n", type=comma_ints, default=None,
                    help="device counts, e.g. 1,2,4,8 (default 1,2,4,8)")
     deprecated_alias(p, "--n", "--devices", dest="n", type=comma_ints)
     p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
+    add_vit_flags(p)
     p.add_argument("--width", type=int, default=None, help="ResNet: channels of the first stage (default 16)")
     p.add_argument("--blocks", type=comma_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1")
     p.add_argument("--global-batch-size", dest="global_batch", type=int, default=None,
@@ -39,6 +42,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="sgd (momentum 0.9) | adam")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default 2)")
+    p.add_argument("--mesh", dest="meshes", nargs="+", default=None, metavar="AXIS=SIZE,...",
+                   help="layouts instead of --devices, e.g. --mesh data=4 data=2,model=2: one jaxdp row per "
+                        "strategy and mesh, with traffic per mesh axis (parity_tests.bench.layouts)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
     p.add_argument("--no-bare", dest="bare", action="store_false",
                    help="skip the bare rows (plain jitted / eager torch step at each N's per-device batch)")
@@ -73,6 +79,7 @@ def _resolve(args) -> dict:
         "steps": args.steps or q.get("steps", 10),
         "warmup": args.warmup if args.warmup is not None else q.get("warmup", 2),
         "n": args.n or q.get("n", (1, 2, 4, 8)),
+        "vit": {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None},
         "bare": args.bare,
     }
 
@@ -80,6 +87,9 @@ def _resolve(args) -> dict:
 def run(args) -> int:
     from jaxdp import choices
 
+    cfg = _resolve(args)
+    if args.meshes:
+        return run_meshes(args, cfg)
     strategies = [s for s in (args.strategies.split(",") if args.strategies else choices.STRATEGIES) if s]
     unknown = [s for s in strategies if s not in choices.STRATEGIES]
     if unknown:
@@ -94,7 +104,6 @@ def run(args) -> int:
             raise BenchError(f"--preset {args.preset!r}: the one preset is gpu" if args.preset else
                              "--dry-run goes with --preset gpu")
         return run_preset(args, strategies, lambda result: write(result, args))
-    cfg = _resolve(args)
     prepare_jax(max(cfg["n"]))
     print(HEADER)
     write(run_bench(cfg, strategies, with_torch=args.torch, timeout_s=args.timeout,
@@ -114,6 +123,26 @@ def write(result: dict, args) -> None:
     print()
     print(md)
     print(f"\nwrote {os.path.join(args.out, args.tag)}.json, .md, {', '.join(paths)}")
+
+
+def run_meshes(args, cfg) -> int:
+    """``--mesh``: the layout rows (``layouts``), written as ``--tag``.json and .md."""
+    from jaxdp.mesh import mesh_sizes
+
+    meshes = [mesh_sizes(text) for text in args.meshes]
+    prepare_jax(max(math.prod(m.values()) for m in meshes))
+    strategies = [s for s in (args.strategies or "ddp").split(",") if s]
+    from parity_tests.bench.runner import environment
+
+    rows = run_layouts(cfg, strategies, meshes)
+    result = {"config": cfg, "strategies": strategies, "meshes": meshes, "environment": environment(), "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+        f.write(layout_markdown(result) + "\n")
+    print(f"wrote {os.path.join(args.out, args.tag)}.json, .md")
+    return 1 if any("error" in r["jaxdp"] for r in rows) else 0
 
 
 BENCH = Command("jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N", add_bench_args, run,

@@ -54,14 +54,15 @@ def _set_affinity(threads, cores) -> None:
             pass
 
 
-def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
+def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, mesh=None) -> dict:
+    """One row's jaxdp record on N devices, or on the named ``mesh`` ({"data": 2, "model": 2}: N = its product)."""
     with cores_for(n):
-        rec = _bench_jax(name, n, cfg, images, labels)
+        rec = _bench_jax(name, n, cfg, images, labels, mesh)
     rec["cores"] = n if not cuda_host() else None
     return rec
 
 
-def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
+def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, mesh=None) -> dict:
     import jax
 
     from jaxdp import analysis as ins
@@ -71,18 +72,20 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     from jaxdp.strategies import create_strategy
     from jaxdp.task import classifier
 
-    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"])
+    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"], **cfg.get("vit", {}))
     tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
     options = {"mesh_shape": hsdp_mesh_shape(name, n)} if name == "hsdp" else {}
     # zero3/hsdp shard per FSDP unit (the ResNet's blocks), as torch_ref's fully_shard does.
-    strategy = create_strategy(name, net, classifier(net), tx, make_mesh(n), **ins.fsdp_options(name, net, options))
+    devices = make_mesh(**mesh) if mesh else make_mesh(n)
+    strategy = create_strategy(name, net, classifier(net), tx, devices, **ins.fsdp_options(name, net, options))
     host = {"image": np.asarray(images, np.dtype(net.dtype)), "label": np.asarray(labels, np.int32)}
     state = strategy.init(jax.random.key(0), host)  # sharded: each device builds only its own part
     rec = {"framework": "jaxdp"}
     # Model-state bytes measured vs the ZeRO formula (traced, no compile).
     try:
         rep = ins.measure(strategy, host, state=state, compile=False)
-        rec.update(psi=rep["psi"], state=rep["state"], traffic_formula_bytes=rep["traffic_formula_bytes"])
+        rec.update(psi=rep["psi"], state=rep["state"], traffic_formula_bytes=rep["traffic_formula_bytes"],
+                   axes=rep["axes"])
     except Exception as e:  # a strategy inspect does not know: say so, go on
         rec["state_error"] = f"{type(e).__name__}: {e}"
     batch = strategy.shard_batch(host)
@@ -105,7 +108,10 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
         rec["compile_s_includes_one_step"] = True
     for _ in range(cfg["warmup"]):
         state, out = run(state, batch)
-    jax.block_until_ready((state, out) if cfg["warmup"] else state)
+        # Each step waits for the last: back-to-back programs on a CPU mesh with two device
+        # axes can deadlock in XLA:CPU's rendezvous (Strategy._one_at_a_time).
+        jax.block_until_ready((state, out))
+    jax.block_until_ready(state)
     times = []
     for _ in range(cfg["steps"]):
         t = time.perf_counter()
