@@ -162,12 +162,12 @@ def _same_padding_conv(original):
 
     from jaxdp.models import resnet
 
-    def conv(self, features, kernel, stride=1, name=None):
-        if stride == 2 and kernel == 3:
+    def conv(self, features, kernel, stride=1, name=None, row_parallel=False):
+        if stride == 2 and kernel == 3 and self.model_axis is None:  # (no channel-parallel sum to keep)
             return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding="SAME",
                            use_bias=False, kernel_init=resnet.conv_init, dtype=self.dtype,
                            param_dtype=self.param_dtype, name=name)
-        return original(self, features, kernel, stride, name)
+        return original(self, features, kernel, stride, name, row_parallel)
 
     return conv
 
