@@ -8,7 +8,7 @@ import sys
 
 from jaxdp.analysis.measure import InspectError, inspect_strategy
 from jaxdp.analysis.report import format_report
-from jaxdp.flags import comma_ints
+from jaxdp.flags import add_remat_flag, comma_ints
 
 def add_inspect_args(p) -> None:
     from jaxdp import choices
@@ -20,6 +20,7 @@ def add_inspect_args(p) -> None:
     p.add_argument("--compress", default=None, metavar=choices.listing(choices.COMPRESSIONS), help="ddp/zero1 (async: bf16, fp16)")
     p.add_argument("--powersgd-rank", type=int, default=None, help="ddp/zero1 --compress powersgd: matrix rank r")
     p.add_argument("--staleness", type=int, default=None, help="async: staleness bound k")
+    add_remat_flag(p, default=None)
     p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
     p.add_argument("--width", type=int, default=64, help="ResNet: channels of the first stage (64 = torchvision)")
     p.add_argument("--blocks", type=comma_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the model's)")
@@ -36,7 +37,7 @@ def add_inspect_args(p) -> None:
 def run(args) -> int:
     from jaxdp.strategies import StrategyError
 
-    options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness")
+    options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness", "remat")
                if getattr(args, k) is not None}
     try:
         report = inspect_strategy(
