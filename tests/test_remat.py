@@ -74,3 +74,20 @@ def test_remat_is_zero3s_option_only():
     assert strategy_options(TrainConfig(strategy="hsdp", remat="none"))["remat"] == "none"
     assert choices.REMATS == units.REMATS and TrainConfig().remat == units.REMATS[0]
     assert "remat" in TrainConfig.STRATEGY_OPTIONS
+
+
+def test_bench_rows_per_remat_and_bucket_cap():
+    """``jaxdp bench --remat unit,none --bucket-cap-mb 1,inf``: one row per value for the
+    strategies that take the option, one row with defaults for the others."""
+    import argparse
+
+    from parity_tests.bench.variants import ONE_BUCKET_MB, bucket_caps, label, remats, variants
+
+    axes = {"remat": remats("unit,none"), "bucket_cap_mb": bucket_caps("1,inf")}
+    assert variants("zero3", axes) == [{"remat": "unit"}, {"remat": "none"}]
+    assert variants("ddp", axes) == [{"bucket_cap_mb": 1.0}, {"bucket_cap_mb": ONE_BUCKET_MB}]
+    assert variants("dp", axes) == [{}] and variants("ddp", {}) == [{}]
+    assert [label(o) for o in variants("ddp", axes)] == [" bucket=1MB", " bucket=inf"]
+    for parse, bad in ((remats, "unit,full"), (bucket_caps, "5,0"), (bucket_caps, "big")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)

@@ -16,6 +16,7 @@ from parity_tests.bench import cuda_host
 from parity_tests.bench.jax_side import prepare_jax
 from parity_tests.bench.report import HEADER, markdown, plots
 from parity_tests.bench.runner import run_bench
+from parity_tests.bench.variants import add_variant_args, axes_from
 
 QUICK = dict(width=8, blocks=(1, 1, 1, 1), global_batch=16, steps=10, warmup=2, n=(1, 2))
 
@@ -39,6 +40,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default 2)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
+    add_variant_args(p)
     p.add_argument("--pipeline-images", type=int, default=4096, help="images in the input-pipeline measurement")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny settings: width {QUICK['width']}, blocks 1,1,1,1, batch {QUICK['global_batch']}, "
@@ -66,6 +68,7 @@ def _resolve(args) -> dict:
         "steps": args.steps or q.get("steps", 10),
         "warmup": args.warmup if args.warmup is not None else q.get("warmup", 2),
         "n": args.n or q.get("n", (1, 2, 4, 8)),
+        "variants": axes_from(args),
     }
 
 

@@ -54,14 +54,15 @@ def _set_affinity(threads, cores) -> None:
             pass
 
 
-def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
+def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, options=None) -> dict:
+    """``options``: the strategy's own, for this row (``variants.py``)."""
     with cores_for(n):
-        rec = _bench_jax(name, n, cfg, images, labels)
+        rec = _bench_jax(name, n, cfg, images, labels, options or {})
     rec["cores"] = n if not cuda_host() else None
     return rec
 
 
-def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
+def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, options: dict) -> dict:
     import jax
 
     from jaxdp import analysis as ins
@@ -73,7 +74,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
 
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"])
     tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
-    options = {"mesh_shape": hsdp_mesh_shape(name, n)} if name == "hsdp" else {}
+    options = dict(options, **({"mesh_shape": hsdp_mesh_shape(name, n)} if name == "hsdp" else {}))
     # zero3/hsdp shard per FSDP unit (the ResNet's blocks), as torch_ref's fully_shard does.
     strategy = create_strategy(name, net, classifier(net), tx, make_mesh(n), **ins.fsdp_options(name, net, options))
     host = {"image": np.asarray(images, np.dtype(net.dtype)), "label": np.asarray(labels, np.int32)}
