@@ -32,6 +32,8 @@ def add_inspect_args(p) -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="model-state bytes only (no compiled memory or HLO)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--schedule", action="store_true",
+                   help="also print the compiled step's collectives and convolutions/matmuls in execution order")
 
 
 def run(args) -> int:
@@ -44,9 +46,22 @@ def run(args) -> int:
             args.strategy, args.devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
             optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
             image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
+            schedule=args.schedule,
         )
     except (InspectError, StrategyError) as e:  # e.g. --compress on zero2/3: one line, exit 2
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if args.schedule and not args.json:
+        print_schedule(report)
     return 0
+
+
+def print_schedule(report: dict) -> None:
+    from jaxdp.analysis.schedule import Op, format_schedule
+
+    if "schedule" not in report:
+        print("\nno schedule: --no-compile")
+        return
+    print(f"\nschedule of the compiled step (entry computation, in execution order; {report['backend']}):")
+    print(format_schedule([Op(**op) for op in report["schedule"]], report["backend"]))

@@ -125,10 +125,13 @@ REMATS = ("unit", "none")  # what a unit keeps from forward to backward (``fsdp_
 
 
 def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mutable: Sequence[str],
-              remat: str = "unit"):
+              remat: str = "unit", prefetch_after=None):
     """Run one unit with FSDP's collectives; returns (output, updated mutable collections).
 
-    forward: all-gather the unit's params (``gather(chunks)``) and apply it. backward:
+    forward: all-gather the unit's params (``gather(chunks)``) once ``prefetch_after`` (an
+    array; default: the unit's input) exists, and apply the unit. Given the previous unit's
+    input, the gather may run while the previous unit computes: FSDP2's forward prefetch, at
+    the cost of two units' params alive at once. backward:
     all-gather them again; the gather's transpose reduce-scatters the param gradient.
     ``remat`` says what forward keeps for backward:
 
@@ -158,46 +161,54 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         out = call({"params": params, **state}, *a, **kw)
         return out if mutable else (out, {})
 
-    def forward(chunks, state, arrays):
-        return apply(gather(_after(chunks, arrays)), state, arrays)
+    def forward(chunks, state, arrays, anchor):
+        return apply(gather(_after(chunks, [anchor])), state, arrays)
 
     @jax.custom_vjp
-    def run(chunks, state, arrays):
-        return forward(chunks, state, arrays)
+    def run(chunks, state, arrays, anchor):
+        return forward(chunks, state, arrays, anchor)
 
     def regather(chunks, dy):
         """The params again, once ``dy`` exists, and the gather's transpose (a reduce-scatter)."""
         return jax.vjp(gather, _after(chunks, [dy]))
 
-    def recompute_fwd(chunks, state, arrays):
-        return forward(chunks, state, arrays), (chunks, state, arrays)  # no gathered params kept
+    def recompute_fwd(chunks, state, arrays, anchor):
+        return forward(chunks, state, arrays, anchor), (chunks, state, arrays, anchor)  # no gathered params kept
 
     def recompute_bwd(residuals, cotangents):
-        chunks, state, arrays = residuals
+        chunks, state, arrays, anchor = residuals
         dy, _ = cotangents  # mutated collections (BN running stats) carry no gradient
         params, scatter = regather(chunks, dy)
         _, pullback = jax.vjp(lambda p, xs: apply(p, state, xs)[0], params, arrays)
         d_params, d_arrays = pullback(dy)
-        return scatter(d_params)[0], jax.tree_util.tree_map(jnp.zeros_like, state), d_arrays
+        return scatter(d_params)[0], _zeros(state), d_arrays, _zeros(anchor)
 
     pullback_shape = []  # set while tracing forward, read while tracing backward
 
-    def keep_fwd(chunks, state, arrays):
-        params = gather(_after(chunks, arrays))
+    def keep_fwd(chunks, state, arrays, anchor):
+        params = gather(_after(chunks, [anchor]))
         out, pullback, updated = jax.vjp(lambda p, xs: apply(p, state, xs), params, arrays, has_aux=True)
         saved, shape = _without_params(pullback, params)
         pullback_shape[:] = [shape]
-        return (out, updated), (chunks, state, saved)
+        return (out, updated), (chunks, state, saved, anchor)
 
     def keep_bwd(residuals, cotangents):
-        chunks, state, saved = residuals
+        chunks, state, saved, anchor = residuals
         dy, _ = cotangents
         params, scatter = regather(chunks, dy)
         d_params, d_arrays = _with_params(saved, pullback_shape[0], params)(dy)
-        return scatter(d_params)[0], jax.tree_util.tree_map(jnp.zeros_like, state), d_arrays
+        return scatter(d_params)[0], _zeros(state), d_arrays, _zeros(anchor)
 
     run.defvjp(*((recompute_fwd, recompute_bwd) if remat == "unit" else (keep_fwd, keep_bwd)))
-    return run(chunks, state, arrays)
+    return run(chunks, state, arrays, first_float(arrays) if prefetch_after is None else prefetch_after)
+
+
+def _zeros(tree):
+    return jax.tree_util.tree_map(jnp.zeros_like, tree)
+
+
+def first_float(xs):
+    return next((x for x in jax.tree_util.tree_leaves(xs) if jnp.issubdtype(x.dtype, jnp.inexact)), None)
 
 
 def _without_params(pullback, params):

@@ -38,6 +38,7 @@ a global-norm clip would see only a chunk.
 """
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -51,7 +52,7 @@ from jaxdp.strategies.base import (Strategy, StrategyError, ddp_buffers, local_g
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
-from jaxdp.strategies.units import REMATS, Units, fsdp_unit, gather_on_use, in_unit, unit_paths
+from jaxdp.strategies.units import REMATS, Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 # Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
 ZERO1 = Facts("zero1", twin="DDP (optional comm hook) + ZeroRedundancyOptimizer", torch_twin="zero1",
@@ -186,19 +187,22 @@ class ZeRO(Strategy):
         def gather_tree(chunks, full):
             return jax.tree_util.tree_map(lambda c, s: layout.gather(c, s.shape, axis, n), chunks, full)
 
-        def gather_unit(module, call, variables, mutable, args, kwargs):
+        def gather_unit(inputs, module, call, variables, mutable, args, kwargs):
             full = shapes
             for k in module.path:
                 full = full[k]
             state = {c: v for c, v in variables.items() if c != "params"}
+            # Forward prefetch: this unit's gather may start once the previous unit's input exists.
+            previous = inputs[-1] if inputs else None
+            inputs.append(first_float((args, kwargs)))
             return fsdp_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args, kwargs, mutable,
-                             self.remat)
+                             self.remat, prefetch_after=previous)
 
         def run(chunks, model_state, batch, key):
             def root_gather(path, c, s):
                 return c if in_unit(leaf_path(path), self.unit_paths) else layout.gather(c, s.shape, axis, n)
             params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes)
-            with gather_on_use(self.units, gather_unit):
+            with gather_on_use(self.units, functools.partial(gather_unit, [])):  # [] : the units' inputs, in order
                 return loss_fn(params, model_state, batch, key)
         return run
 
