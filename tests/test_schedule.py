@@ -116,3 +116,14 @@ def test_gpu_overlaps_reductions_with_backward_compute(tmp_path):
     assert any(between for *_, between in pairs), sched.format_schedule(ops, "gpu")
     first_reduce = min(o.position for o in ops if o.kind == "all-reduce")
     assert first_reduce < max(positions(ops, "conv", "backward", "layer1")), sched.format_schedule(ops, "gpu")
+
+
+def test_inspect_prints_the_schedule_it_measured(capsys):
+    from jaxdp.analysis.command import print_schedule
+
+    op = sched.Op(3, "all-gather.1", "all-gather", None, "forward", "layer1/0/conv1", 2048.0)
+    print_schedule({"backend": "cpu", "schedule": [op.__dict__]})
+    print_schedule({})
+    out = capsys.readouterr().out
+    assert "in execution order; cpu" in out and "all-gather                 forward   layer1/0" in out
+    assert "no schedule: --no-compile" in out

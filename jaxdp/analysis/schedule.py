@@ -2,8 +2,9 @@
 
 A compiled module is scheduled (``HloModule ..., is_scheduled=true``): its entry computation
 lists the instructions in execution order. ``entry_ops`` reads that list and keeps the
-collectives and the convolutions and matmuls (by the JAX primitive in each instruction's
-metadata, so a GPU's cuDNN/cuBLAS custom-calls and fusions count too), each with its phase
+collectives and the convolutions and matmuls (HLO ``convolution``/``dot``, and by the JAX
+primitive in an instruction's metadata, so a GPU's cuDNN/cuBLAS custom-calls and fusions
+count too), each with its phase
 (``forward``: under ``jvp``; ``backward``: under ``transpose``) and the module path it
 belongs to. ``format_schedule`` prints it, runs of alike ops folded into one line;
 ``jaxdp inspect --schedule`` shows it for a strategy.
@@ -66,6 +67,8 @@ def _kind(op: str, name: str, op_name: str):
     if op in ("async-start", "async-done"):  # e.g. a reduce-scatter wrapped by XLA:GPU
         wrapped = next((c for c in COLLECTIVES if name.startswith(c)), "async")
         return wrapped, op.split("-", 1)[1]
+    if op in ("convolution", "dot"):  # XLA's own rewrites may carry no metadata
+        return ("conv" if op == "convolution" else "dot"), None
     primitive = op_name.rsplit("/", 1)[-1]
     return (COMPUTE[primitive], None) if primitive in COMPUTE and op != "parameter" else None
 
