@@ -131,14 +131,17 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
     forward: all-gather the unit's params (``gather(chunks)``) once ``prefetch_after`` (an
     array; default: the unit's input) exists, and apply the unit. Given the previous unit's
     input, the gather may run while the previous unit computes: FSDP2's forward prefetch, at
-    the cost of two units' params alive at once. backward:
-    all-gather them again; the gather's transpose reduce-scatters the param gradient.
-    ``remat`` says what forward keeps for backward:
+    the cost of two units' params alive at once. backward: all-gather them again; the
+    gather's transpose reduce-scatters the param gradient. ``remat`` says what forward keeps
+    for backward:
 
     - ``"unit"``: only the unit's inputs; backward recomputes the unit (least memory).
     - ``"none"`` (FSDP2's default): the unit's activations, the residuals of its VJP,
       less the gathered params, which backward gathers again and puts back in their
-      place. Nothing is recomputed; memory sits between DDP's and ``"unit"``'s.
+      place. Nothing is recomputed; memory sits between DDP's and ``"unit"``'s. A param
+      the unit uses only through a cast (bfloat16 compute on float32 params) leaves its
+      cast copy among the residuals, not itself: that copy is kept to the backward (half
+      the param's bytes, measured with ``--dtype bfloat16``).
 
     Why a ``custom_vjp`` and not ``jax.checkpoint``: a checkpoint's re-gather reads the same
     chunks as the forward's, and XLA's CPU pipeline drops the optimization barrier that
@@ -147,7 +150,8 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
     instead of 12, more temp memory than DDP). Tying each gather to a value that exists
     only when it should run (the unit's input, the unit's output cotangent) is a data
     dependence no pass removes. A checkpoint policy that saves the dots (``dots_saveable``)
-    has the same problem, and would still recompute the unit's elementwise ops.
+    meets the same passes (DESIGN.md section 9), and would still recompute the unit's
+    elementwise ops.
     """
     if remat not in REMATS:
         raise UnitError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}")
