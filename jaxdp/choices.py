@@ -15,6 +15,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
 ALLREDUCES = ("psum", "ring")
 COMPRESSIONS = ("bf16", "fp16", "powersgd")
+REMATS = ("unit", "none")
 
 
 def listing(names) -> str:

@@ -78,7 +78,7 @@ class TrainConfig(StrategyOptions):
         ignored = {"out", "resume", "overwrite", "progress", "devices", "mesh", "microbatches", "checkpoint_every",
                    "data_dir",
                    "download",
-                   "strategy", "mesh_shape", "bucket_cap_mb", "log_sample_ids", "init_timeout",
+                   "strategy", "mesh_shape", "bucket_cap_mb", "remat", "log_sample_ids", "init_timeout",
                    "heartbeat_timeout", "keep", "eval_every", "tensorboard", "profile_steps", "peak_flops",
                    "compile_cache"}
         return {k: v for k, v in json.loads(self.to_json()).items() if k not in ignored}

@@ -60,6 +60,16 @@ def add_strategy_flags(group, defaults, *, sync_bn_help: str, staleness_help: st
                    help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
     g.add_argument("--staleness", type=int, default=d.staleness, help=staleness_help)
     g.add_argument("--mesh-shape", type=comma_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
+    add_remat_flag(g, d.remat)
+
+
+def add_remat_flag(group, default="unit") -> None:
+    """``--remat``: what a zero3/hsdp FSDP unit keeps for backward (train, parity, bench, inspect)."""
+    from jaxdp import choices
+
+    group.add_argument("--remat", default=default, metavar=choices.listing(choices.REMATS),
+                       help="zero3, hsdp: unit = keep each unit's input and recompute it in backward (least "
+                            "memory); none = keep its activations, gather its params again (FSDP2's default)")
 
 
 MESH_HELP = ("named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product is the "

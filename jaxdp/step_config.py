@@ -33,10 +33,12 @@ class StrategyOptions:
     powersgd_start_iter: int = 1000  # plain all-reduce for the first steps (torch's start_powerSGD_iter)
     staleness: int = 0  # async parameter server: max updates a worker's weights may lag
     mesh_shape: Optional[Tuple[int, int]] = None  # hsdp: (replicas, shards)
+    remat: str = "unit"  # zero3, hsdp: what an FSDP unit keeps for backward ("unit": its input; "none": activations)
 
     # (class attributes, not fields: no annotation, so __dataclass_fields__ lists only options)
     STRATEGY_OPTIONS = (
-        "bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "powersgd_start_iter", "staleness", "mesh_shape")
+        "bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "powersgd_start_iter", "staleness", "mesh_shape",
+        "remat")
 
 
 @dataclass

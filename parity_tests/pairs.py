@@ -23,6 +23,8 @@ zero2                       FSDP2 ``fully_shard(reshard_after_forward=      N   
                             False)``
 zero3                       FSDP2 ``fully_shard(reshard_after_forward=      N
                             True)``
+zero3|hsdp --remat none     the same twin (FSDP2 keeps activations too)     N       --remat unit recomputes each
+                                                                                    unit: the same numbers
 hsdp --mesh-shape R,S       FSDP2 on a 2-D DeviceMesh (replicate, shard)    R*S
 dp                          ``nn.DataParallel`` with >= N GPUs; else DDP    1 / N   DataParallel's math is DDP's:
                             on N ranks                                              per-chunk BN, chunk 0's running
@@ -43,10 +45,11 @@ from parity_tests.config import ParityConfig
 # The strategy options a pair may set: the same names on both sides (StrategyOptions). A pair
 # takes those its jaxdp constructor (``options_of``) and its twin (``STRATEGY_OPTIONS``) both
 # take; any other must stay at its default. ``powersgd_start_iter`` rides with ``--compress powersgd``.
-PAIR_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape")
-# How jaxdp sums (gloo and nccl pick their own algorithm) and async's bound: the torch twin has
+PAIR_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape", "remat")
+# How jaxdp sums (gloo and nccl pick their own algorithm), async's bound and what ZeRO-3 keeps for
+# backward (FSDP2 keeps the activations; recomputing them changes no number): the torch twin has
 # no such knob, so any value a pair accepts runs against the same twin.
-JAX_ONLY_OPTIONS = ("allreduce", "staleness")
+JAX_ONLY_OPTIONS = ("allreduce", "staleness", "remat")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=1e-2)
 LONG = 20   # steps of the long cases
 SHORT = 4   # steps of the others
 
+F64_ZERO3_N3_ACCUM4 = dict(strategy="zero3", devices=3, accum_steps=4, steps=LONG, **ADAM)
 # name -> config. "ddp-n2-sgd" is also the torch run the dp/async pairs and the injected
 # bugs reuse; "ddp-n4-adam" the one the ring all-reduce reuses.
 F64 = {
@@ -55,9 +56,13 @@ F64 = {
     "zero2-n3-adamw": dict(strategy="zero2", devices=3, steps=LONG, **ADAMW),
     # K = 4 micro-batches of 2 images: zero3/hsdp reduce-scatter each, FSDP2 accumulates
     # unsharded grads under set_requires_gradient_sync(False); the sums must agree.
-    "zero3-n3-accum4-adam": dict(strategy="zero3", devices=3, accum_steps=4, steps=LONG, **ADAM),
+    "zero3-n3-accum4-adam": F64_ZERO3_N3_ACCUM4,
     "hsdp-2x2-accum4-adamw": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), accum_steps=4, steps=LONG, **ADAMW),
     "hsdp-1x3-sgd": dict(strategy="hsdp", devices=3, mesh_shape=(1, 3), steps=SHORT, **SGD),
+    # Keeping each unit's activations (FSDP2's own default) instead of recomputing the unit: the
+    # same twin, whose run the two cases above reuse. N = 3 pads, K = 4 reduce-scatters per micro-batch.
+    "zero3-n3-accum4-remat_none-adam": dict(F64_ZERO3_N3_ACCUM4, remat="none"),
+    "hsdp-2x2-remat_none-sgd": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), remat="none", steps=LONG, **SGD),
     "ddp-fp16-hook": dict(strategy="ddp", devices=2, compress="fp16", steps=SHORT, **SGD),
     "ddp-bf16-hook": dict(strategy="ddp", devices=2, compress="bf16", steps=SHORT, **SGD),
     # 20 steps of rank-1 PowerSGD: its error feedback and warm-started Q carry every step's
@@ -197,7 +202,8 @@ def test_every_strategy_is_paired_from_its_facts():
     from parity_tests.pairs import PAIRS, pair_for
 
     assert set(PAIRS) == set(STRATEGIES)  # runner names them itself: it must not import jax
-    assert pair_for("hsdp").twin == facts("hsdp").twin and pair_for("hsdp").options == ("mesh_shape",)
+    assert pair_for("hsdp").twin == facts("hsdp").twin and pair_for("hsdp").options == ("mesh_shape", "remat")
+    assert pair_for("zero3").options == ("remat",)  # FSDP2 keeps activations: both values, one twin
     assert pair_for("zero2").options == ()  # jaxdp's buckets take bucket_cap_mb, FSDP2 has no such knob
 
 

@@ -9,7 +9,7 @@ import sys
 
 from jaxdp.analysis.measure import InspectError, inspect_strategy
 from jaxdp.analysis.report import format_report
-from jaxdp.flags import VIT_SIZES, add_mesh_flag, add_vit_flags, comma_ints
+from jaxdp.flags import VIT_SIZES, add_mesh_flag, add_remat_flag, add_vit_flags, comma_ints
 
 DEFAULT_DEVICES = 8
 
@@ -25,11 +25,14 @@ def add_inspect_args(p) -> None:
     p.add_argument("--compress", default=None, metavar=choices.listing(choices.COMPRESSIONS), help="ddp/zero1 (async: bf16, fp16)")
     p.add_argument("--powersgd-rank", type=int, default=None, help="ddp/zero1 --compress powersgd: matrix rank r")
     p.add_argument("--staleness", type=int, default=None, help="async: staleness bound k")
+    add_remat_flag(p, default=None)
     add_model_args(p)
     p.add_argument("--batch-per-device", type=int, default=1, help="images per device per step")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="model-state bytes only (no compiled memory or HLO)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--schedule", action="store_true",
+                   help="also print the compiled step's collectives and convolutions/matmuls in execution order")
 
 
 def add_model_args(p) -> None:
@@ -62,7 +65,7 @@ def run(args) -> int:
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 
-    options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness")
+    options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness", "remat")
                if getattr(args, k) is not None}
     vit = {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None}
     try:
@@ -71,10 +74,22 @@ def run(args) -> int:
             args.strategy, devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
             optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
             image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
-            mesh=mesh, vit=vit,
+            mesh=mesh, vit=vit, schedule=args.schedule,
         )
     except (InspectError, StrategyError, MeshError, ModelError) as e:  # e.g. --compress on zero2/3: one line
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if args.schedule and not args.json:
+        print_schedule(report)
     return 0
+
+
+def print_schedule(report: dict) -> None:
+    from jaxdp.analysis.schedule import Op, format_schedule
+
+    if "schedule" not in report:
+        print("\nno schedule: --no-compile")
+        return
+    print(f"\nschedule of the compiled step (entry computation, in execution order; {report['backend']}):")
+    print(format_schedule([Op(**op) for op in report["schedule"]], report["backend"]))

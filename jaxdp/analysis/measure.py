@@ -9,12 +9,14 @@ XLA:CPU promotes a bf16 all-reduce to f32.
 Nothing here imports jax at module level.
 """
 
+import dataclasses
 from typing import Optional, Sequence
 
 import numpy as np
 
 from jaxdp.analysis.axes import axis_report
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
+from jaxdp.analysis.schedule import entry_ops
 from jaxdp.analysis.state import kept_grad_bytes, state_bytes, strategy_formulas
 
 
@@ -26,7 +28,8 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
                      blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
                      dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
                      mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0,
-                     mesh: Optional[dict] = None, vit: Optional[dict] = None) -> dict:
+                     mesh: Optional[dict] = None, vit: Optional[dict] = None,
+                     schedule: bool = False) -> dict:
     """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
     starts), or on the named ``mesh`` (``{"data": 2, "model": 2}``), for a freshly initialised
     model, and ``measure`` it. ``options``: the strategy's own (``allreduce``, ``compress``,
@@ -52,7 +55,7 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     global_batch = batch_per_device * strategy.num_devices
     batch = {"image": rng.normal(size=(global_batch, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
              "label": rng.integers(0, net.num_classes, global_batch).astype(np.int32)}
-    report = measure(strategy, batch, seed=seed, compile=compile)
+    report = measure(strategy, batch, seed=seed, compile=compile, schedule=schedule)
     report.update(model=model, width=width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
                   optimizer=optimizer, options={k: v for k, v in options.items() if v is not None})
     if "units" in options_of(name):
@@ -109,11 +112,13 @@ def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> N
             f"by count - 1); use --batch-per-device 2 or a larger --image-size")
 
 
-def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compile: bool = True) -> dict:
+def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compile: bool = True,
+            schedule: bool = False) -> dict:
     """Everything in the module docstring, for a built strategy and a host batch (a pytree of
     global numpy arrays, e.g. ``{"image", "label"}``). The state measured: ``state`` if given
     (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
-    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.init`` (sharded, from ``seed``)."""
+    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.init`` (sharded, from ``seed``).
+    ``schedule``: also the compiled step's collectives and compute in execution order (``schedule.py``)."""
     import jax
 
     strategy.learn_structure(batch)
@@ -141,6 +146,9 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
         # (measured: 2x the bytes for --compress bf16; fp16 stays 2 bytes).
         written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), devices)
         report["ring_bytes_as_written"] = written["ring_bytes"]
+        if schedule:
+            report["backend"] = jax.default_backend()
+            report["schedule"] = [dataclasses.asdict(op) for op in entry_ops(compiled.as_text())]
     report["axes"] = axis_report(strategy, report.get("collectives"), report.get("memory", {}).get("temp"),
                                  report["opt_bytes_per_param"], report["batch_per_device"], report["image_size"],
                                  report["traffic_formula_bytes"], jax.ShapeDtypeStruct(images.shape[1:], images.dtype))

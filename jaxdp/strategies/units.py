@@ -74,8 +74,8 @@ def unit_paths(units: Units, init_fn: Callable, *args, with_shapes: Optional[lis
         finally:
             depth[0] -= is_unit
 
-    with nn.intercept_methods(record):
-        shapes = jax.eval_shape(init_fn, *args)
+    with nn.intercept_methods(record):  # a fresh function: a cached trace of init_fn would run no interceptor
+        shapes = jax.eval_shape(lambda *a: init_fn(*a), *args)
     if with_shapes is not None:
         with_shapes.append(shapes)
     unique = list(dict.fromkeys(found))  # a unit called twice (shared weights) is one unit
@@ -121,12 +121,27 @@ def gather_on_use(units: Units, gather_unit: Callable):
         yield
 
 
-def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mutable: Sequence[str]):
+REMATS = ("unit", "none")  # what a unit keeps from forward to backward (``fsdp_unit``)
+
+
+def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mutable: Sequence[str],
+              remat: str = "unit", prefetch_after=None):
     """Run one unit with FSDP's collectives; returns (output, updated mutable collections).
 
-    forward: all-gather the unit's params (``gather(chunks)``), apply it, keep only its inputs;
-    backward: all-gather again, recompute the unit, pull the cotangent back through both
-    (the gather's transpose reduce-scatters the param gradient).
+    forward: all-gather the unit's params (``gather(chunks)``) once ``prefetch_after`` (an
+    array; default: the unit's input) exists, and apply the unit. Given the previous unit's
+    input, the gather may run while the previous unit computes: FSDP2's forward prefetch, at
+    the cost of two units' params alive at once. backward: all-gather them again; the
+    gather's transpose reduce-scatters the param gradient. ``remat`` says what forward keeps
+    for backward:
+
+    - ``"unit"``: only the unit's inputs; backward recomputes the unit (least memory).
+    - ``"none"`` (FSDP2's default): the unit's activations, the residuals of its VJP,
+      less the gathered params, which backward gathers again and puts back in their
+      place. Nothing is recomputed; memory sits between DDP's and ``"unit"``'s. A param
+      the unit uses only through a cast (bfloat16 compute on float32 params) leaves its
+      cast copy among the residuals, not itself: that copy is kept to the backward (half
+      the param's bytes, measured with ``--dtype bfloat16``).
 
     Why a ``custom_vjp`` and not ``jax.checkpoint``: a checkpoint's re-gather reads the same
     chunks as the forward's, and XLA's CPU pipeline drops the optimization barrier that
@@ -134,35 +149,85 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
     unit's full params stayed alive from forward to backward (measured: 6 all-gathers
     instead of 12, more temp memory than DDP). Tying each gather to a value that exists
     only when it should run (the unit's input, the unit's output cotangent) is a data
-    dependence no pass removes.
+    dependence no pass removes. A checkpoint policy that saves the dots (``dots_saveable``)
+    meets the same passes (DESIGN.md section 9), and would still recompute the unit's
+    elementwise ops.
     """
+    if remat not in REMATS:
+        raise UnitError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}")
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
     arrays = [x for x, a in zip(leaves, is_array) if a]
 
-    def forward(chunks, state, arrays):
+    def apply(params, state, arrays):
         it = iter(arrays)
         a, kw = jax.tree_util.tree_unflatten(treedef, [next(it) if m else x for x, m in zip(leaves, is_array)])
-        params = gather(_after(chunks, arrays))
         out = call({"params": params, **state}, *a, **kw)
         return out if mutable else (out, {})
 
+    def forward(chunks, state, arrays, anchor):
+        return apply(gather(_after(chunks, [anchor])), state, arrays)
+
     @jax.custom_vjp
-    def run(chunks, state, arrays):
-        return forward(chunks, state, arrays)
+    def run(chunks, state, arrays, anchor):
+        return forward(chunks, state, arrays, anchor)
 
-    def run_fwd(chunks, state, arrays):
-        return forward(chunks, state, arrays), (chunks, state, arrays)  # no gathered params kept
+    def regather(chunks, dy):
+        """The params again, once ``dy`` exists, and the gather's transpose (a reduce-scatter)."""
+        return jax.vjp(gather, _after(chunks, [dy]))
 
-    def run_bwd(residuals, cotangents):
-        chunks, state, arrays = residuals
+    def recompute_fwd(chunks, state, arrays, anchor):
+        return forward(chunks, state, arrays, anchor), (chunks, state, arrays, anchor)  # no gathered params kept
+
+    def recompute_bwd(residuals, cotangents):
+        chunks, state, arrays, anchor = residuals
         dy, _ = cotangents  # mutated collections (BN running stats) carry no gradient
-        _, pullback = jax.vjp(lambda c, xs: forward(c, state, xs)[0], _after(chunks, [dy]), arrays)
-        d_chunks, d_arrays = pullback(dy)
-        return d_chunks, jax.tree_util.tree_map(jnp.zeros_like, state), d_arrays
+        params, scatter = regather(chunks, dy)
+        _, pullback = jax.vjp(lambda p, xs: apply(p, state, xs)[0], params, arrays)
+        d_params, d_arrays = pullback(dy)
+        return scatter(d_params)[0], _zeros(state), d_arrays, _zeros(anchor)
 
-    run.defvjp(run_fwd, run_bwd)
-    return run(chunks, state, arrays)
+    pullback_shape = []  # set while tracing forward, read while tracing backward
+
+    def keep_fwd(chunks, state, arrays, anchor):
+        params = gather(_after(chunks, [anchor]))
+        out, pullback, updated = jax.vjp(lambda p, xs: apply(p, state, xs), params, arrays, has_aux=True)
+        saved, shape = _without_params(pullback, params)
+        pullback_shape[:] = [shape]
+        return (out, updated), (chunks, state, saved, anchor)
+
+    def keep_bwd(residuals, cotangents):
+        chunks, state, saved, anchor = residuals
+        dy, _ = cotangents
+        params, scatter = regather(chunks, dy)
+        d_params, d_arrays = _with_params(saved, pullback_shape[0], params)(dy)
+        return scatter(d_params)[0], _zeros(state), d_arrays, _zeros(anchor)
+
+    run.defvjp(*((recompute_fwd, recompute_bwd) if remat == "unit" else (keep_fwd, keep_bwd)))
+    return run(chunks, state, arrays, first_float(arrays) if prefetch_after is None else prefetch_after)
+
+
+def _zeros(tree):
+    return jax.tree_util.tree_map(jnp.zeros_like, tree)
+
+
+def first_float(xs):
+    return next((x for x in jax.tree_util.tree_leaves(xs) if jnp.issubdtype(x.dtype, jnp.inexact)), None)
+
+
+def _without_params(pullback, params):
+    """A VJP's residuals with the gathered params left out (matched by identity: a residual
+    that *is* a param tracer), and what ``_with_params`` needs to put them back."""
+    index = {id(p): i for i, p in enumerate(jax.tree_util.tree_leaves(params))}
+    residuals, treedef = jax.tree_util.tree_flatten(pullback)
+    slots = [index.get(id(r)) for r in residuals]
+    return [r for r, s in zip(residuals, slots) if s is None], (treedef, slots)
+
+
+def _with_params(saved, shape, params):
+    treedef, slots = shape
+    param_leaves, it = jax.tree_util.tree_leaves(params), iter(saved)
+    return jax.tree_util.tree_unflatten(treedef, [next(it) if s is None else param_leaves[s] for s in slots])
 
 
 def _after(chunks, xs):

@@ -38,6 +38,7 @@ a global-norm clip would see only a chunk.
 """
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -51,11 +52,11 @@ from jaxdp.strategies.base import (Strategy, StrategyError, ddp_buffers, local_g
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
-from jaxdp.strategies.units import Units, fsdp_unit, gather_on_use, in_unit, unit_paths
+from jaxdp.strategies.units import REMATS, Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 # Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
 ZERO1 = Facts("zero1", twin="DDP (optional comm hook) + ZeroRedundancyOptimizer", torch_twin="zero1",
-              sharded=("opt",), refused=frozenset({"units", "mesh_shape"}),
+              sharded=("opt",), refused=frozenset({"units", "remat", "mesh_shape"}),
               traffic=lambda s: s.allreduce + (s.n - 1) / s.n * s.p * s.psi_pad,  # DDP's + gather the updated chunks
               traffic_text="{allreduce} + (N-1)/N·pΨ_pad all-gather")
 ZERO2 = dataclasses.replace(
@@ -64,7 +65,7 @@ ZERO2 = dataclasses.replace(
     refused=ZERO1.refused | {"allreduce", "compress", "powersgd_rank", "powersgd_options"})  # no all-reduce to hook
 ZERO3 = dataclasses.replace(
     ZERO2, name="zero3", twin="FSDP2 fully_shard(reshard_after_forward=True)", torch_twin="zero3",
-    sharded=("params", "grads", "opt"), refused=ZERO2.refused - {"units"} | {"bucket_cap_mb"},  # units, not buckets
+    sharded=("params", "grads", "opt"), refused=ZERO2.refused - {"units", "remat"} | {"bucket_cap_mb"},  # units, not buckets
     traffic=lambda s: (s.n - 1) / s.n * s.p * (3 * s.psi_pad - s.root_pad),  # units gathered twice, the root once
     traffic_text="(3Ψ_pad - Ψ_root)p(N-1)/N")
 STAGES = {1: ZERO1, 2: ZERO2, 3: ZERO3}
@@ -88,7 +89,8 @@ def facts_for(stage: int = 3, hsdp: bool = False) -> Facts:
 class ZeRO(Strategy):
     facts_for = staticmethod(facts_for)
 
-    def __init__(self, model, task, tx, mesh, *, stage: int = 3, units=(), mesh_shape=None, bucket_cap_mb=None,
+    def __init__(self, model, task, tx, mesh, *, stage: int = 3, units=(), remat: str = "unit", mesh_shape=None,
+                 bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
                  hsdp: bool = False, **kwargs):
         if stage not in (1, 2, 3):
@@ -100,6 +102,11 @@ class ZeRO(Strategy):
                                 "instead (use ddp or zero1)")
         if units and stage != 3:
             raise StrategyError(f"units are ZeRO-3's gather-on-use units; zero{stage} keeps params whole")
+        if remat not in REMATS:
+            raise StrategyError(f"remat must be one of {', '.join(REMATS)} (what an FSDP unit keeps for backward), "
+                                f"got {remat!r}")
+        if remat != "unit" and stage != 3:
+            raise StrategyError(f"remat is ZeRO-3's choice for its FSDP units; zero{stage} keeps params whole")
         if bucket_cap_mb is not None and stage == 3:
             raise StrategyError("bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero3 moves params and "
                                 "grads per FSDP unit")
@@ -118,7 +125,7 @@ class ZeRO(Strategy):
         self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
         self.check_vma = allreduce != "ring"
-        self.units = Units(units)
+        self.units, self.remat = Units(units), remat
         self.unit_paths = None
 
     def init_extra(self, params):
@@ -183,18 +190,22 @@ class ZeRO(Strategy):
         def gather_tree(chunks, full):
             return jax.tree_util.tree_map(lambda c, s: layout.gather(c, s.shape, axis, n), chunks, full)
 
-        def gather_unit(module, call, variables, mutable, args, kwargs):
+        def gather_unit(inputs, module, call, variables, mutable, args, kwargs):
             full = shapes
             for k in module.path:
                 full = full[k]
             state = {c: v for c, v in variables.items() if c != "params"}
-            return fsdp_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args, kwargs, mutable)
+            # Forward prefetch: this unit's gather may start once the previous unit's input exists.
+            previous = inputs[-1] if inputs else None
+            inputs.append(first_float((args, kwargs)))
+            return fsdp_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args, kwargs, mutable,
+                             self.remat, prefetch_after=previous)
 
         def run(chunks, model_state, batch, key):
             def root_gather(path, c, s):
                 return c if in_unit(leaf_path(path), self.unit_paths) else layout.gather(c, s.shape, axis, n)
             params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes)
-            with gather_on_use(self.units, gather_unit):
+            with gather_on_use(self.units, functools.partial(gather_unit, [])):  # [] : the units' inputs, in order
                 return loss_fn(params, model_state, batch, key)
         return run
 

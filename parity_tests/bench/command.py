@@ -19,6 +19,7 @@ from parity_tests.bench.jax_side import prepare_jax
 from parity_tests.bench.layouts import layout_markdown, run_layouts
 from parity_tests.bench.report import HEADER, markdown, plots
 from parity_tests.bench.runner import run_bench
+from parity_tests.bench.variants import add_variant_args, axes_from
 
 QUICK = dict(width=8, blocks=(1, 1, 1, 1), global_batch=16, steps=10, warmup=2, n=(1, 2))
 
@@ -48,6 +49,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
     p.add_argument("--no-bare", dest="bare", action="store_false",
                    help="skip the bare rows (plain jitted / eager torch step at each N's per-device batch)")
+    add_variant_args(p)
     p.add_argument("--pipeline-images", type=int, default=4096, help="images in the input-pipeline measurement")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny settings: width {QUICK['width']}, blocks 1,1,1,1, batch {QUICK['global_batch']}, "
@@ -81,6 +83,7 @@ def _resolve(args) -> dict:
         "n": args.n or q.get("n", (1, 2, 4, 8)),
         "vit": {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None},
         "bare": args.bare,
+        "variants": axes_from(args),
     }
 
 

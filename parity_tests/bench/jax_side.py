@@ -54,15 +54,18 @@ def _set_affinity(threads, cores) -> None:
             pass
 
 
-def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, mesh=None) -> dict:
-    """One row's jaxdp record on N devices, or on the named ``mesh`` ({"data": 2, "model": 2}: N = its product)."""
+def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, options=None,
+              mesh=None) -> dict:
+    """One row's jaxdp record on N devices, or on the named ``mesh`` ({"data": 2, "model": 2}: N = its
+    product); ``options``: the strategy's own, for this row (``variants.py``)."""
     with cores_for(n):
-        rec = _bench_jax(name, n, cfg, images, labels, mesh)
+        rec = _bench_jax(name, n, cfg, images, labels, options or {}, mesh)
     rec["cores"] = n if not cuda_host() else None
     return rec
 
 
-def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, mesh=None) -> dict:
+def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, options: dict,
+               mesh=None) -> dict:
     import jax
 
     from jaxdp import analysis as ins
@@ -74,7 +77,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
 
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"], **cfg.get("vit", {}))
     tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
-    options = {"mesh_shape": hsdp_mesh_shape(name, n)} if name == "hsdp" else {}
+    options = dict(options, **({"mesh_shape": hsdp_mesh_shape(name, n)} if name == "hsdp" else {}))
     # zero3/hsdp shard per FSDP unit (the ResNet's blocks), as torch_ref's fully_shard does.
     devices = make_mesh(**mesh) if mesh else make_mesh(n)
     strategy = create_strategy(name, net, classifier(net), tx, devices, **ins.fsdp_options(name, net, options))

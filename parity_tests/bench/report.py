@@ -8,6 +8,8 @@ from typing import List
 
 import numpy as np
 
+from parity_tests.bench.variants import label
+
 
 def _fmt(x, spec=".3f", none="-"):
     return none if x is None else format(x, spec)
@@ -30,7 +32,8 @@ def _row_cells(r: dict) -> list:
     state_f = sum(form.values()) if form else None
     coll = (j.get("collectives") or {}).get("ring_bytes")
     err = j.get("error") or t.get("error")
-    return [r["strategy"] + (f" {r['mesh_shape'][0]}x{r['mesh_shape'][1]}" if r.get("mesh_shape") else ""),
+    return [r["strategy"] + (f" {r['mesh_shape'][0]}x{r['mesh_shape'][1]}" if r.get("mesh_shape") else "")
+            + label(r.get("options", {})),
             str(r["n"]), _fmt(j.get("median_step_s"), ".4f"),
             _fmt(t.get("median_step_s"), ".4f", "n/a" if "torch_ref" not in r else "err"),
             _fmt(r.get("ratio_jax_over_torch"), ".2f"), _fmt(j.get("images_per_s"), ".1f"),
@@ -112,7 +115,7 @@ def plots(result: dict, out: str, tag: str) -> List[str]:
     ax.bar(xs - 0.27, comp, 0.27, label="compiled step (arg+out-alias+temp)")
     ax.bar(xs, meas, 0.27, label="model state measured")
     ax.bar(xs + 0.27, form, 0.27, label="model state formula")
-    ax.set_xticks(xs, [r["strategy"] for r in last])
+    ax.set_xticks(xs, [r["strategy"] + label(r.get("options", {})) for r in last])
     ax.set_ylabel("MiB per device")
     ax.set_title(f"memory per device, N={nmax}")
     ax.legend(fontsize=7)
@@ -121,7 +124,7 @@ def plots(result: dict, out: str, tag: str) -> List[str]:
     form = [_mb(r["jaxdp"].get("traffic_formula_bytes") or 0) for r in last]
     ax.bar(xs - 0.2, meas, 0.4, label="HLO measured (ring bytes)")
     ax.bar(xs + 0.2, form, 0.4, label="formula")
-    ax.set_xticks(xs, [r["strategy"] for r in last])
+    ax.set_xticks(xs, [r["strategy"] + label(r.get("options", {})) for r in last])
     ax.set_ylabel("MiB sent per device per step")
     ax.set_title(f"collective traffic, N={nmax}")
     ax.legend(fontsize=7)

@@ -17,6 +17,7 @@ from parity_tests.bench.bare import add_overheads, bench_bare
 from parity_tests.bench.jax_side import bench_jax, bench_pipeline
 from parity_tests.bench.report import row_line
 from parity_tests.bench.torch_side import bench_torch, torch_twin
+from parity_tests.bench.variants import variants
 
 # Dense bf16 peak per device, TFLOP/s, by a substring of the device name (first match wins).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0,
@@ -112,8 +113,8 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
         labels = rng.integers(0, 10, size=(n, cfg["global_batch"] // n)).astype(np.int32)
         if cfg.get("bare", True):  # the same per-device batch with no strategy code (bare.py)
             bare[str(n)] = bench_bare(cfg, images[0], labels[0], with_torch=with_torch, timeout_s=timeout_s)
-        for name in strategies:
-            row = {"strategy": name, "n": n, "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
+        for name, options in [(s, o) for s in strategies for o in variants(s, cfg.get("variants", {}))]:
+            row = {"strategy": name, "n": n, "options": options, "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
                    "order": "jaxdp first" if i % 2 == 0 else "torch_ref first",
                    "loadavg_before": list(os.getloadavg())}
             do_torch = with_torch and torch_twin(name) is not None
@@ -121,13 +122,13 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
             def do_jax():
                 try:
                     row["jaxdp"] = _summary(bench_jax(name, n, cfg, images.reshape(-1, 32, 32, 3),
-                                                      labels.reshape(-1)), cfg["global_batch"])
+                                                      labels.reshape(-1), options), cfg["global_batch"])
                 except Exception as e:
                     row["jaxdp"] = {"error": f"{type(e).__name__}: {e}"}
 
             def do_torch_row():
                 try:
-                    row["torch_ref"] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s),
+                    row["torch_ref"] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s, options),
                                                 cfg["global_batch"])
                 except Exception as e:
                     row["torch_ref"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}

@@ -80,8 +80,17 @@ def torch_twin(name: str) -> Optional[str]:
     return None if f.twin_when else f.torch_twin
 
 
-def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float) -> dict:
-    """Launch ``n`` ranks (dp: one process on the full batch) and collect rank 0's step times."""
+def twin_options(twin: str, options: dict) -> dict:
+    from torch_ref.strategies import STRATEGY_OPTIONS
+
+    return {k: v for k, v in options.items() if k in STRATEGY_OPTIONS[twin]}
+
+
+def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float,
+                options=None) -> dict:
+    """Launch ``n`` ranks (dp: one process on the full batch) and collect rank 0's step times.
+    ``options``: the row's jaxdp options; the twin gets those it has a knob for (remat: FSDP2
+    has none, it keeps activations)."""
     import pickle
     import shutil
     import tempfile
@@ -94,6 +103,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
               "total_steps": cfg["warmup"] + cfg["steps"]}
     if name == "hsdp":
         config["mesh_shape"] = hsdp_mesh_shape(name, n)
+    config.update(twin_options(config["strategy"], options or {}))
     world = n
     if name == "dp":  # single process holding the whole batch (nn.DataParallel's CPU fallback)
         world = 1
