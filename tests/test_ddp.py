@@ -163,6 +163,9 @@ def random_variables(model, seed=0):
     return jax.tree_util.tree_map(lambda s: rng.uniform(0.5, 1.5, s.shape).astype(s.dtype), shapes)
 
 
+MIB_BYTES = 1024 * 1024
+
+
 def test_plan_buckets_is_torchs_bucket_assignment():
     from jaxdp.strategies.buckets import plan_buckets
 
@@ -171,6 +174,13 @@ def test_plan_buckets_is_torchs_bucket_assignment():
         sizes = rng.integers(1, 40, rng.integers(1, 12)).tolist()
         limits = sorted(rng.integers(1, 60, rng.integers(1, 3)).tolist())
         assert plan_buckets(sizes, limits) == torch_buckets(sizes, limits), (sizes, limits)
+
+
+def test_an_infinite_bucket_cap_is_one_bucket():
+    from jaxdp.strategies.buckets import bucket_limits, plan_buckets
+
+    assert plan_buckets([3, 5, 7], bucket_limits(float("inf"))) == [[0, 1, 2]]
+    assert len(plan_buckets([MIB_BYTES, MIB_BYTES], bucket_limits(1.0))) == 2  # a finite cap still cuts
 
 
 def test_buckets_hold_grads_in_reverse_torch_parameter_order():

@@ -27,6 +27,8 @@ gradients ready start communicating sooner); an explicit ``bucket_cap_mb``
 makes the first bucket that size too.
 """
 
+import math
+import sys
 from typing import Callable, List, Sequence, Tuple
 
 import jax
@@ -42,6 +44,8 @@ def bucket_limits(cap_mb=None) -> List[int]:
     """Byte limits [first bucket, every later one] for DDP's ``bucket_cap_mb`` (None: torch's defaults)."""
     if cap_mb is None:
         return [int(DEFAULT_FIRST_CAP_MB * MIB), int(DEFAULT_CAP_MB * MIB)]
+    if math.isinf(cap_mb):  # --bucket-cap-mb inf: one bucket for all the gradients
+        return [sys.maxsize] * 2
     return [int(cap_mb * MIB)] * 2
 
 
