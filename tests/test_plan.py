@@ -95,9 +95,12 @@ def test_cli_plan_needs_its_devices_simulated(capsys):
     assert "jax sees 8 devices, the plan needs 16" in capsys.readouterr().err
 
 
-_PLAN_AND_PEAK = ("import resource, sys; from jaxdp.cli import main; status = main(sys.argv[1:]); "
-                  "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr); "
-                  "sys.exit(status)")
+# The child's own peak: /proc's VmHWM belongs to the process's memory map, new at exec.
+# (getrusage's ru_maxrss is not: Linux carries the parent's high-water mark across a
+# vfork+exec, so an xdist worker that had grown to 2.4 GB made the child "peak" at 2.4 GB.)
+_PLAN_AND_PEAK = ("import re, sys; from jaxdp.cli import main; status = main(sys.argv[1:]); "
+                  "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024, "
+                  "file=sys.stderr); sys.exit(status)")
 
 
 def test_plan_a_model_this_machine_could_never_hold_at_64_devices():
