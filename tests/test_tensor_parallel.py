@@ -71,6 +71,23 @@ def test_data_x_model_trains_as_one_device(name, data, variables, one_device):
     assert max_rel_error(state.opt_state, ref_state.opt_state) < 1e-12
 
 
+@pytest.mark.float64
+@pytest.mark.parametrize("mesh,options", [(dict(replica=2, data=2, model=2), {}),
+                                          (dict(data=4, model=2), {"mesh_shape": (2, 2)})])
+def test_hsdp_beside_a_model_axis_trains_as_one_device(mesh, options, variables, one_device):
+    """HSDP keeps the model axis: sharded within each data group, all-reduced across replicas,
+    each model slice on its own; named on the mesh, or split from data=4 by mesh_shape."""
+    model = vit()
+    kept = create_strategy("hsdp", model, classifier(model), optax.sgd(0.1), make_mesh(**mesh), **options)
+    assert dict(kept.mesh.shape) == {"replica": 2, "data": 2, "model": 2} and kept.tp is not None
+    history, state = train("hsdp", make_mesh(**mesh), variables, batches(8), units=(EncoderBlock,), **options)
+    ref_history, ref_state = one_device[8]
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(history, ref_history)):
+        assert abs(loss - ref_loss) <= 1e-13 * abs(ref_loss), (step, loss, ref_loss)
+        assert max_rel_error(grads, ref_grads) < 1e-12, step
+    assert max_rel_error(state.params, ref_state.params) < 1e-12
+
+
 def model_axis_collectives(name, mesh):
     """{(op, "model"|"data"): count} in the compiled float32 step on a data x model mesh."""
     model = vit(jnp.float32)

@@ -261,7 +261,8 @@ def strategy_formulas(strategy) -> dict:
     per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
     k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
     formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
-    mesh_shape = tuple(strategy.mesh.devices.shape) if strategy.mesh.axis_names == (REPLICA_AXIS, DATA_AXIS) else None
+    names = strategy.mesh.axis_names
+    mesh_shape = (strategy.mesh.shape[REPLICA_AXIS], strategy.mesh.shape[DATA_AXIS]) if REPLICA_AXIS in names else None
     return {"mesh_shape": mesh_shape, "psi": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(strategy.shapes))),
             "psi_local": psi, "psi_padded": psi_pad, "psi_root_padded": root_pad, "param_bytes": p,
             "opt_bytes_per_param": k, "formula": formula["exact"], "formula_padded": formula["padded"],

@@ -271,13 +271,19 @@ def default_hsdp_shape(devices) -> tuple:
 
 
 def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
-    """The (replicas, shards) mesh over ``mesh``'s devices, host by host (one host's devices
-    are consecutive, so a row of the default mesh is a host)."""
-    if mesh_shape is None and tuple(mesh.axis_names) == (REPLICA_AXIS, DATA_AXIS):
-        return mesh
-    devices = np.asarray(sorted(np.asarray(mesh.devices).reshape(-1), key=lambda d: d.process_index))  # stable
-    n = devices.size
-    mesh_shape = tuple(int(d) for d in (mesh_shape or default_hsdp_shape(devices)))
+    """The (replicas, shards) mesh over ``mesh``'s data-parallel devices, host by host (one host's
+    devices are consecutive, so a row of the default mesh is a host). Axes beside data
+    (``model``, ``stage``) are kept as they are: each of their positions gets the same split."""
+    names = tuple(mesh.axis_names)
+    if mesh_shape is None and REPLICA_AXIS in names and DATA_AXIS in names:
+        return mesh  # named by the user (--mesh replica=2,data=2,model=2)
+    beside = tuple(a for a in names if a not in (REPLICA_AXIS, DATA_AXIS))
+    devices = np.asarray(mesh.devices).reshape(-1, *[mesh.shape[a] for a in beside])  # (replica x data, ...)
+    hosts = [int(d.process_index) for d in devices.reshape(devices.shape[0], -1)[:, 0]]
+    devices = devices[np.argsort(hosts, kind="stable")]
+    n = devices.shape[0]
+    mesh_shape = tuple(int(d) for d in (mesh_shape or default_hsdp_shape(list(devices.reshape(n, -1)[:, 0]))))
     if len(mesh_shape) != 2 or min(mesh_shape) < 1 or mesh_shape[0] * mesh_shape[1] != n:
-        raise StrategyError(f"hsdp mesh_shape {mesh_shape} must be two positive sizes R,S with R*S = {n} devices")
-    return Mesh(devices.reshape(mesh_shape), (REPLICA_AXIS, DATA_AXIS))
+        raise StrategyError(f"hsdp mesh_shape {mesh_shape} must be two positive sizes R,S with R*S = {n} "
+                            "data-parallel devices")
+    return Mesh(devices.reshape(*mesh_shape, *devices.shape[1:]), (REPLICA_AXIS, DATA_AXIS) + beside)
