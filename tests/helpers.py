@@ -95,6 +95,25 @@ def canonical_history(strategy, variables, batches):
     return history, jax.device_get(strategy.canonical(state))
 
 
+def stepped(strategy, state, batches):
+    """``state`` after one step per host batch."""
+    for batch in batches:
+        state, _ = strategy.step(state, strategy.shard_batch(batch))
+    return state
+
+
+def resumed_on(a, b, variables, batches, split, directory):
+    """``a`` trains from full ``variables`` on ``batches[:split]``, saves a checkpoint in
+    ``directory``; ``b`` (another strategy or mesh) restores it into a target that builds
+    nothing, trains on the rest and returns its canonical state (to compare with one run)."""
+    from jaxdp.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(directory))
+    ckpt.save(split, a.stored(stepped(a, a.init_state(variables), batches[:split])), {"step": split})
+    restored, _ = ckpt.restore(b.stored_target(b.abstract_state(batches[0])))
+    return jax.device_get(b.canonical(stepped(b, b.from_stored(restored), batches[split:])))
+
+
 def init(model, size=8, seed=0):
     return model.init(jax.random.key(seed), jnp.zeros((1, size, size, 3), model.dtype), train=False)
 

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import max_rel_error, tiny_resnet
+from helpers import canonical_history, max_rel_error, resumed_on, tiny_resnet
 from jaxdp.mesh import make_mesh
 from jaxdp.models.toy import ToyMpModel
 from jaxdp.models.vit import EncoderBlock, ViT
@@ -46,12 +46,7 @@ def train(model, mesh, variables, data, name="ddp", **options):
     """Every step's (loss, canonical grads) and the final canonical state."""
     tx = optax.sgd(0.1, momentum=0.9)
     strategy = create_strategy(name, model, classifier(model), tx, mesh, return_grads=True, **options)
-    state = strategy.init_state(variables)
-    history = []
-    for batch in data:
-        state, metrics = strategy.step(state, strategy.shard_batch(batch))
-        history.append((float(metrics["loss"]), jax.device_get(strategy.canonical_grads(metrics["grads"]))))
-    return history, jax.device_get(strategy.canonical(state))
+    return canonical_history(strategy, variables, data)
 
 
 def assert_trains_alike(run, reference, tol=1e-12):
@@ -187,23 +182,12 @@ def test_a_batch_that_does_not_split_into_microbatches_is_one_clear_error():
 def test_a_checkpoint_resumes_on_another_mesh(first, then, toy_reference, tmp_path):
     """Checkpoints hold the canonical params tree whatever the stages: 1 step on one layout, save,
     restore into another (a target that builds nothing), 1 more step == 2 steps on one device."""
-    from jaxdp.checkpoint import Checkpointer
-
     (variables, (_, want)), data, tx = toy_reference, toy_batches(), optax.sgd(0.1, momentum=0.9)
 
     def make(name, axes):
         return create_strategy(name, toy(), classifier(toy()), tx, make_mesh(**axes))
 
-    def run(strategy, state, batches_):
-        for batch in batches_:
-            state, _ = strategy.step(state, strategy.shard_batch(batch))
-        return state
-
-    a, ckpt = make(*first), Checkpointer(str(tmp_path / "ckpt"))
-    ckpt.save(1, a.stored(run(a, a.init_state(variables), data[:1])), {"step": 1})
-    b = make(*then)
-    restored, _ = ckpt.restore(b.stored_target(b.abstract_state(data[0])))
-    got = jax.device_get(b.canonical(run(b, b.from_stored(restored), data[1:])))
+    got = resumed_on(make(*first), make(*then), variables, data, 1, tmp_path / "ckpt")
     assert max_rel_error(got.params, want.params) < 1e-12
     assert max_rel_error(got.opt_state, want.opt_state) < 1e-12
 

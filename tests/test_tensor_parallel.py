@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import TinyConvNet, canonical_history, max_rel_error, step_collectives_by_axis
+from helpers import TinyConvNet, canonical_history, max_rel_error, resumed_on, step_collectives_by_axis, stepped
 from jaxdp.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel.tensor import Column, TensorParallel
@@ -237,8 +237,6 @@ def test_200_steps_dispatched_back_to_back_never_hang(name):
 def test_a_checkpoint_resumes_on_another_mesh(first, then, variables, tmp_path):
     """The checkpoint's layout is canonical whatever the mesh: 2 steps on one layout, save,
     restore into another (a target that builds nothing), 2 more steps == 4 steps on one device."""
-    from jaxdp.checkpoint import Checkpointer
-
     data = batches(8, steps=4, seed=3)
     tx = optax.sgd(0.1, momentum=0.9)
 
@@ -246,18 +244,8 @@ def test_a_checkpoint_resumes_on_another_mesh(first, then, variables, tmp_path):
         model = vit()
         return create_strategy(name, model, classifier(model), tx, make_mesh(**axes), **OPTIONS[name])
 
-    def run(strategy, state, batches_):
-        for batch in batches_:
-            state, _ = strategy.step(state, strategy.shard_batch(batch))
-        return state
-
     reference = make("ddp", {"data": 1})
-    want = jax.device_get(reference.canonical(run(reference, reference.init_state(variables), data)))
-    a = make(*first)
-    ckpt = Checkpointer(str(tmp_path / "ckpt"))
-    ckpt.save(2, a.stored(run(a, a.init_state(variables), data[:2])), {"step": 2})
-    b = make(*then)
-    restored, _ = ckpt.restore(b.stored_target(b.abstract_state(data[0])))
-    got = jax.device_get(b.canonical(run(b, b.from_stored(restored), data[2:])))
+    want = jax.device_get(reference.canonical(stepped(reference, reference.init_state(variables), data)))
+    got = resumed_on(make(*first), make(*then), variables, data, 2, tmp_path / "ckpt")
     assert max_rel_error(got.params, want.params) < 1e-12
     assert max_rel_error(got.opt_state, want.opt_state) < 1e-12
