@@ -68,7 +68,10 @@ class Trainer:
         self.mesh = self.strategy.mesh
 
     def init(self, rng, example_batch):
-        """A fresh, already sharded state (nothing whole is built for ZeRO)."""
+        """A fresh, already sharded state (nothing whole is built for ZeRO). ``rng`` seeds the
+        params and the rng stream ``loss_fn`` sees (see ``step_key``): ``jax.random.key(s)``
+        draws what the CLI's ``--seed s`` draws."""
+        self.strategy.use_rng(rng)
         return self.strategy.init(rng, example_batch)
 
     def step(self, state, batch):
