@@ -4,6 +4,7 @@
     trainer = jaxdp.Trainer(model, loss_fn, optax.adamw(3e-4), jaxdp.ZeRO(stage=3, units=(Block,)), mesh)
     state = trainer.init(jax.random.key(0), example_batch)
     state, metrics = trainer.step(state, batch)
+    trainer.save(path, state); state = trainer.restore(path, example_batch)  # any strategy, mesh, N
 
 ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
 ``jaxdp.task``), or ``jaxdp.classifier(model)`` for an image classifier. Batches are any
@@ -83,6 +84,20 @@ class Trainer:
         if getattr(self.strategy.eval_task, "eval_fn", None) is None:
             raise ValueError("this Trainer has no eval_fn: pass eval_fn=... to evaluate")
         return self.strategy.evaluate(state, self._placed(batch))
+
+    def save(self, path: str, state) -> int:
+        """Write ``state`` to the checkpoint directory ``path`` (orbax, the layout ``jaxdp train``
+        writes), as step ``state.step``; each device writes its own part. Returns the step."""
+        from jaxdp import saving
+
+        return saving.save(self.strategy, path, state)
+
+    def restore(self, path: str, example_batch, step: Optional[int] = None):
+        """The newest checkpoint in ``path`` (or ``step``), saved under any strategy, mesh or
+        device count, as this Trainer's state; restores ``init``'s rng stream too."""
+        from jaxdp import saving
+
+        return saving.restore(self.strategy, path, example_batch, step)
 
     def canonical(self, state):
         """The full params and optimizer state (DDP's layout), e.g. to export or compare."""
