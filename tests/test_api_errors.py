@@ -60,38 +60,36 @@ def test_batch_that_does_not_split_over_the_devices():
     no_compile_happened(t)
 
 
-def test_loss_fn_that_returns_only_the_loss():
-    def loss_fn(params, model_state, batch, rng):
-        return good_loss(params, model_state, batch, rng)[0]
+def only_the_loss(params, model_state, batch, rng):
+    return good_loss(params, model_state, batch, rng)[0]
+
+
+def loss_and_metrics(params, model_state, batch, rng):
+    loss = only_the_loss(params, model_state, batch, rng)
+    return loss, {"mse": loss}
+
+
+def metrics_not_a_dict(params, model_state, batch, rng):
+    loss = only_the_loss(params, model_state, batch, rng)
+    return loss, (model_state, loss)
+
+
+def per_example_loss(params, model_state, batch, rng):
+    return (model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2, (model_state, {})
+
+
+@pytest.mark.parametrize("loss_fn,words", [
+    (only_the_loss, ("a single array", "return loss, (model_state, {})")),
+    (loss_and_metrics, ("(loss, dict)", "return loss, (model_state, metrics)")),
+    (metrics_not_a_dict, ("metrics must be a dict", "got an array", "{'name': value}")),
+    (per_example_loss, ("must be a scalar", "shape (2,)", ".mean()")),  # one device's 8 / 4 rows
+], ids=lambda x: x.__name__ if callable(x) else "")
+def test_loss_fn_output_mistakes_are_named_at_init(loss_fn, words):
+    t = trainer(loss_fn)
     with pytest.raises(jaxdp.UsageError) as e:
-        trainer(loss_fn).init(jax.random.key(0), host_batch())
-    one_line(e, "a single array", "return loss, (model_state, {})")
-
-
-def test_loss_fn_that_returns_loss_and_metrics():
-    def loss_fn(params, model_state, batch, rng):
-        loss = good_loss(params, model_state, batch, rng)[0]
-        return loss, {"mse": loss}
-    with pytest.raises(jaxdp.UsageError) as e:
-        trainer(loss_fn).init(jax.random.key(0), host_batch())
-    one_line(e, "(loss, dict)", "return loss, (model_state, metrics)")
-
-
-def test_metrics_that_are_not_a_dict():
-    def loss_fn(params, model_state, batch, rng):
-        loss = good_loss(params, model_state, batch, rng)[0]
-        return loss, (model_state, loss)
-    with pytest.raises(jaxdp.UsageError) as e:
-        trainer(loss_fn).init(jax.random.key(0), host_batch())
-    one_line(e, "metrics must be a dict", "got an array", "{'name': value}")
-
-
-def test_per_example_loss_vector():
-    def loss_fn(params, model_state, batch, rng):
-        return (model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2, (model_state, {})
-    with pytest.raises(jaxdp.UsageError) as e:
-        trainer(loss_fn).init(jax.random.key(0), host_batch())
-    one_line(e, "must be a scalar", "shape (2,)", ".mean()")  # one device's 8 / 4 rows
+        t.init(jax.random.key(0), host_batch())
+    one_line(e, *words)
+    assert t.strategy.shapes is None  # refused before init built (or compiled) anything
 
 
 def test_batch_leaves_with_different_rows():
