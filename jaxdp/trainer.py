@@ -4,6 +4,7 @@
     trainer = jaxdp.Trainer(model, loss_fn, optax.adamw(3e-4), jaxdp.ZeRO(stage=3, units=(Block,)), mesh)
     state = trainer.init(jax.random.key(0), example_batch)
     state, metrics = trainer.step(state, batch)
+    trainer.save(path, state); state = trainer.restore(path, example_batch)  # any strategy, mesh, N
 
 ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
 ``jaxdp.task``), or ``jaxdp.classifier(model)`` for an image classifier. Batches are any
@@ -60,6 +61,9 @@ class Trainer:
             task = tasks.as_task(loss_fn, eval_fn, model_inputs, init_kwargs)
         else:
             raise TypeError(f"loss_fn must be callable (or jaxdp.classifier(model)), got {type(loss_fn).__name__}")
+        # Checked at init (``jaxdp.validate``): our own classifier and pipelines need no check.
+        self._check_loss = not isinstance(task, tasks.Classifier)
+        self._default_inputs = model_inputs is None
         spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))
         if spec.name not in REGISTRY:
             raise StrategyError(f"unknown strategy {spec.name!r}; choose one of {', '.join(REGISTRY)}")
@@ -68,12 +72,16 @@ class Trainer:
         self.mesh = self.strategy.mesh
 
     def init(self, rng, example_batch):
-        """A fresh, already sharded state (nothing whole is built for ZeRO)."""
+        """A fresh, already sharded state (nothing whole is built for ZeRO). ``rng`` seeds the
+        params and the rng stream ``loss_fn`` sees (see ``step_key``): ``jax.random.key(s)``
+        draws what the CLI's ``--seed s`` draws."""
+        self._check(example_batch)
+        self.strategy.use_rng(rng)
         return self.strategy.init(rng, example_batch)
 
     def step(self, state, batch):
         """One optimizer update on a global batch; returns (state, metrics). The state is donated."""
-        return self.strategy.step(state, self._placed(batch))
+        return self.strategy.step(state, self._placed(batch, self.strategy.accum_steps))
 
     def evaluate(self, state, batch):
         """``eval_fn``'s sums over the global batch (a ``{"mask"}`` leaf drops padding rows for classifiers)."""
@@ -81,17 +89,43 @@ class Trainer:
             raise ValueError("this Trainer has no eval_fn: pass eval_fn=... to evaluate")
         return self.strategy.evaluate(state, self._placed(batch))
 
+    def save(self, path: str, state) -> int:
+        """Write ``state`` to the checkpoint directory ``path`` (orbax, the layout ``jaxdp train``
+        writes), as step ``state.step``; each device writes its own part. Returns the step."""
+        from jaxdp import saving
+
+        return saving.save(self.strategy, path, state)
+
+    def restore(self, path: str, example_batch, step: Optional[int] = None):
+        """The newest checkpoint in ``path`` (or ``step``), saved under any strategy, mesh or
+        device count, as this Trainer's state; restores ``init``'s rng stream too."""
+        from jaxdp import saving
+
+        self._check(example_batch)
+        return saving.restore(self.strategy, path, example_batch, step)
+
     def canonical(self, state):
         """The full params and optimizer state (DDP's layout), e.g. to export or compare."""
         return self.strategy.canonical(state)
 
-    def _placed(self, batch):
+    def _check(self, example_batch):
+        """One-line errors for a bad batch or loss_fn, before anything compiles (``jaxdp.validate``)."""
+        from jaxdp import validate
+
+        validate.batch_rows(example_batch)
+        if self._check_loss and self.strategy.pp is None:
+            validate.loss_fn(self.strategy, example_batch, self._default_inputs)
+
+    def _placed(self, batch, accum_steps: int = 1):
         from jax.sharding import NamedSharding
+
+        from jaxdp import validate
 
         leaves = jax.tree_util.tree_leaves(batch)
         if leaves and all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh
                           for x in leaves):
             return batch  # already on the mesh
+        validate.batch_splits(validate.batch_rows(batch), self.strategy.num_devices, accum_steps)
         return self.strategy.shard_batch(batch)
 
 

@@ -333,8 +333,9 @@ def test_readme_is_one_screen():
     assert len(read("README.md").encode()) <= README_LIMIT
 
 
-def test_readme_api_example_runs():
+def test_readme_api_example_runs(tmp_path, monkeypatch):
     """The README's API example, with the model and batches of examples/custom_model.py."""
+    monkeypatch.chdir(tmp_path)  # its checkpoint goes there
     blocks, _ = split_fences(read("README.md"))
     (code,) = ["\n".join(line for _, line in lines) for language, lines in blocks if language == "python"]
     assert len(code.splitlines()) <= 15

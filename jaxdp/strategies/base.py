@@ -491,9 +491,20 @@ class Strategy:
         """A host batch (this process's rows of a pytree) -> global arrays split over the batch axes."""
         return jax.tree_util.tree_map(lambda x: shard_batch(self.mesh, np.asarray(x), self.batch_axes), batch)
 
+    rng_root = None  # the key the rng stream derives from (``use_rng``); None: ``jax.random.key(seed)``
+
+    def use_rng(self, rng) -> None:
+        """Derive the losses' rng stream from ``rng`` (``Trainer.init``'s key) instead of ``seed``."""
+        typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+        self.rng_root = rng if typed else jax.random.wrap_key_data(rng)  # a raw uint32 key: the same bits
+        self._jit_step = None  # a compiled step holds the old root as a constant
+
     def step_key(self, step):
-        """A key unique to the step and the device (``local_grads`` splits it per micro-batch)."""
-        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        """The loss's key: unique to the step and the device's block of the global batch
+        (its index over the batch axes, the order the batch is split in), so the same on
+        every strategy at the same device count; ``local_grads`` splits it per micro-batch."""
+        root = jax.random.key(self.seed) if self.rng_root is None else self.rng_root
+        key = jax.random.fold_in(root, step)
         return jax.random.fold_in(key, _device_index(self.batch_axes))
 
     # -- compiled entry points -----------------------------------------------------------------

@@ -16,9 +16,8 @@ to them, and write the unit's mutated collections (BatchNorm stats) back into
 the running model. Composing the units this way is ``model.apply`` itself, op
 for op (tests/test_zero.py checks it bit for bit).
 
-Not covered: a unit that draws random numbers (dropout) gets its key from the
-running model's rng stream (``make_rng``), so its draws differ from a plain
-``model.apply``'s.
+Random numbers: a unit that draws them (dropout) draws what it would draw under
+a plain ``model.apply`` (``_unbound_call``), so units never change the masks.
 """
 
 import contextlib
@@ -103,11 +102,7 @@ def gather_on_use(units: Units, gather_unit: Callable):
         try:
             variables = module.variables
             mutable = [c for c in variables if c != "params" and module.is_mutable_collection(c)]
-            rngs = {name: module.make_rng(name) for name in module.scope.rngs}
-            unbound = module.clone(parent=None)
-
-            def call(v, *a, **kw):
-                return unbound.apply(v, *a, mutable=mutable or False, rngs=rngs or None, **kw)
+            call = _unbound_call(module, mutable)
 
             out, updated = gather_unit(module, call, variables, mutable, args, kwargs)
             for collection, tree in updated.items():
@@ -119,6 +114,52 @@ def gather_on_use(units: Units, gather_unit: Callable):
 
     with nn.intercept_methods(intercept):
         yield
+
+
+def _unbound_call(module: nn.Module, mutable: Sequence[str]) -> Callable:
+    """``call(variables, *args, **kwargs)``: ``module`` applied as an unbound copy that draws the
+    random numbers the bound module would have drawn.
+
+    A Flax scope's key for stream ``name`` is the root key with the scope's path folded in
+    (a ``LazyRng``), and each draw folds in a per-scope counter. The copy gets the unit's
+    ``LazyRng`` itself as its root key and starts from the unit's counters, so each
+    dropout inside it folds in the same path and count as under ``model.apply``. Each call
+    starts from the same counters (``fsdp_unit`` traces the unit again for backward and must
+    draw the same masks); the bound unit's counters then advance as after one plain call,
+    so a unit called twice (shared weights) draws fresh masks the second time.
+    """
+    rngs = dict(module.scope.rngs)
+    start = _copy_counters(module.scope.rng_counters)
+    after = []
+
+    def run(m, *a, **kw):
+        m.scope.rng_counters = _copy_counters(start)
+        out = m(*a, **kw)
+        after[:] = [_copy_counters(m.scope.rng_counters)]
+        return out
+
+    unbound = module.clone(parent=None)
+
+    def call(v, *a, **kw):
+        out = unbound.apply(v, *a, method=run, mutable=mutable or False, rngs=rngs or None, **kw)
+        if after:
+            _set_counters(module.scope.rng_counters, after[0])
+        return out
+    return call
+
+
+def _copy_counters(counters: dict) -> dict:
+    """A Flax scope's rng counters (ints, and child scopes' dicts under object keys), copied."""
+    return {k: _copy_counters(v) if isinstance(v, dict) else v for k, v in counters.items()}
+
+
+def _set_counters(counters: dict, values: dict) -> None:
+    """``counters`` updated in place to ``values`` (child scopes share their dicts by identity)."""
+    for k, v in values.items():
+        if isinstance(v, dict):
+            _set_counters(counters.setdefault(k, {}), v)
+        else:
+            counters[k] = v
 
 
 REMATS = ("unit", "none")  # what a unit keeps from forward to backward (``fsdp_unit``)
