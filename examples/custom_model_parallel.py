@@ -1,6 +1,6 @@
 """Your own model and loss, split over devices: tensor parallelism and pipeline stages.
 
-    python examples/custom_model_parallel.py     # ~20 s on 2 CPU cores
+    python examples/custom_model_parallel.py     # ~1 min on 2 CPU cores (three runs of 20 steps)
 
 A small token MLP (embedding, pre-norm residual MLP blocks, a head) with its own loss and a
 batch {"tokens": int32[B, T + 1]} trains on one device, on ``data=2,model=2`` (each block's

@@ -17,7 +17,13 @@ stage axis or SyncBN, the model passed is the one given to ``jaxdp.Trainer``.
 import inspect
 from typing import Callable, Optional
 
+from flax import errors as flax_errors
+
 from jaxdp.task import as_task as plain_task
+
+
+class OuterModelError(ValueError):
+    """The loss applied another model than the one it received."""
 
 
 def takes_model(fn: Optional[Callable]) -> bool:
@@ -35,8 +41,9 @@ class ModelTask:
     """The user's ``loss_fn``/``eval_fn`` with the model they receive bound; ``with_model`` rebinds it."""
 
     def __init__(self, model, loss_fn: Callable, eval_fn: Optional[Callable], model_inputs: Callable,
-                 init_kwargs: dict):
+                 init_kwargs: dict, prepared: bool = False):
         self.model, self.user_loss_fn, self.user_eval_fn = model, loss_fn, eval_fn
+        self.prepared = prepared  # the model is jaxdp's copy (split, staged, SyncBN), not the user's own
         self.model_inputs, self.init_kwargs = model_inputs, init_kwargs
         if eval_fn is None:
             self.eval_fn = None
@@ -46,10 +53,18 @@ class ModelTask:
             self.eval_fn = eval_fn
 
     def with_model(self, model) -> "ModelTask":
-        return ModelTask(model, self.user_loss_fn, self.user_eval_fn, self.model_inputs, self.init_kwargs)
+        return ModelTask(model, self.user_loss_fn, self.user_eval_fn, self.model_inputs, self.init_kwargs,
+                         prepared=True)
 
     def loss_fn(self, params, model_state, batch, rng=None):
-        return self.user_loss_fn(self.model, params, model_state, batch, rng)
+        try:
+            return self.user_loss_fn(self.model, params, model_state, batch, rng)
+        except (flax_errors.ScopeParamShapeError, flax_errors.ScopeParamNotFoundError) as e:
+            if not self.prepared:
+                raise
+            # The model itself takes these params (checked at init): the loss applied another one.
+            raise OuterModelError(f"the params arrive laid out for the model loss_fn receives: apply that `model`, "
+                                  f"not one from outside it ({str(e).split(' (https://')[0]})") from None
 
 
 def as_task(model, loss_fn: Callable, eval_fn=None, model_inputs=None, init_kwargs=None):

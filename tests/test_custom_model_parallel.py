@@ -16,6 +16,7 @@ import pytest
 
 import jaxdp
 from helpers import max_rel_error
+from jaxdp.model_task import OuterModelError
 from jaxdp.parallel.protocol import column_features
 from jaxdp.parallel.tensor import Column, Row
 from jaxdp.strategies import StrategyError
@@ -120,3 +121,21 @@ def test_a_model_that_splits_itself_passes_the_check_and_takes_its_slices():
     assert state.params["fc1"]["kernel"].sharding.shard_shape((3, 8)) == (3, 4)
     _, metrics = trainer.step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("axes", [dict(data=1, model=2), dict(data=1, stage=2)])
+def test_a_loss_that_applies_a_model_from_outside_is_one_line(axes, example):
+    """The old habit, ``loss_fn(model, ...)`` calling the model it closes over: the params arrive
+    cut for the prepared model, which the message names."""
+    outer = example.TokenMLP(**SIZES)
+
+    def loss_fn(model, params, model_state, batch, rng):
+        return example.loss_fn(outer, params, model_state, batch, rng)
+
+    trainer = jaxdp.Trainer(outer, loss_fn, optax.sgd(0.1), "ddp", jaxdp.make_mesh(**axes),
+                            model_inputs=example.model_inputs)
+    batch = next(example.batches(1, batch_size=2))
+    state = trainer.init(jax.random.key(0), batch)
+    with pytest.raises(OuterModelError, match=r"^the params arrive laid out for the model loss_fn receives: apply "
+                                              r"that `model`, not one from outside it \("):
+        trainer.step(state, batch)
