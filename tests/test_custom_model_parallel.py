@@ -17,7 +17,7 @@ import pytest
 import jaxdp
 from helpers import max_rel_error
 from jaxdp.model_task import OuterModelError
-from jaxdp.parallel.protocol import column_features
+from jaxdp.parallel.protocol import column_features, row_parallel
 from jaxdp.parallel.tensor import Column, Row
 from jaxdp.strategies import StrategyError
 
@@ -79,9 +79,7 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(column_features(8, self.model_axis) if self.split else 8, name="fc1")(x)
-        summed = self.summed and self.model_axis is not None
-        return nn.Dense(2, name="fc2", dot_general=jaxdp.parallel.tensor.summed_over(self.model_axis)
-                        if summed else None)(h)
+        return nn.Dense(2, name="fc2", dot_general=row_parallel(self.model_axis) if self.summed else None)(h)
 
 
 class NoAxis(nn.Module):
