@@ -85,8 +85,8 @@ class _Task:
         self.loss_fn, self.eval_fn, self.model_inputs, self.init_kwargs = loss_fn, eval_fn, model_inputs, init_kwargs
 
     def with_model(self, model):
-        raise ValueError("sync_bn needs a task that can rebind its model (jaxdp.classifier); "
-                         "with your own loss_fn, give your BatchNorm an axis_name instead")
+        raise ValueError("tensor parallelism and sync_bn run a model jaxdp prepares, which this loss_fn cannot "
+                         "receive: write it as loss_fn(model, params, model_state, batch, rng) and apply that model")
 
 
 def batch_size(batch) -> int:

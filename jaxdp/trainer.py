@@ -7,7 +7,9 @@
     trainer.save(path, state); state = trainer.restore(path, example_batch)  # any strategy, mesh, N
 
 ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
-``jaxdp.task``), or ``jaxdp.classifier(model)`` for an image classifier. Batches are any
+``jaxdp.task``), or ``jaxdp.classifier(model)`` for an image classifier. A loss whose first
+parameter is ``model``, ``loss_fn(model, params, ...)``, receives the model jaxdp prepared
+(split over a ``model`` axis, cut into stages: ``jaxdp.model_task``, ``jaxdp.parallel.protocol``). Batches are any
 pytree of host arrays with a shared leading batch dimension: the global batch, or in a
 multi-process job this process's rows of it. A strategy is named with the factories below
 (``DDP()``, ``ZeRO(stage=3)``, ...) or by its registry name (``"zero3"``).
@@ -18,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from jaxdp import task as tasks
+from jaxdp import model_task, task as tasks
 from jaxdp.strategies import REGISTRY, StrategyError, create_strategy
 
 
@@ -58,7 +60,7 @@ class Trainer:
         if isinstance(loss_fn, tasks.Classifier):
             task = loss_fn
         elif callable(loss_fn):
-            task = tasks.as_task(loss_fn, eval_fn, model_inputs, init_kwargs)
+            task = model_task.as_task(model, loss_fn, eval_fn, model_inputs, init_kwargs)
         else:
             raise TypeError(f"loss_fn must be callable (or jaxdp.classifier(model)), got {type(loss_fn).__name__}")
         # Checked at init (``jaxdp.validate``): our own classifier and pipelines need no check.

@@ -187,6 +187,34 @@ class Pipeline:
             shapes.append(x)
         return shapes
 
+    def _schedule(self, stacked, micro, first_input):
+        """What ``run`` and ``outputs`` share: this device's stage, the micro-batch picker,
+        one tick's forward (``forward(received, t) -> buffer``), the buffer unpacked into the
+        last stage's output, and the scan's initial carry."""
+        m_count = jax.tree_util.tree_leaves(micro)[0].shape[0]
+        flat = stacked[STACKED].reshape(-1)  # this stage's row
+        stage = jax.lax.axis_index(self.axis)
+        pick = lambda i: jax.tree_util.tree_map(lambda x: x[jnp.clip(i, 0, m_count - 1)], micro)  # noqa: E731
+        x0 = jax.eval_shape(lambda: first_input(pick(0)))
+        boundaries = self._boundaries(x0)
+        out_shape = boundaries[-1]
+        width, dtype = self._buffer(boundaries)
+        branches = [self._stage_fn(s, boundaries, width, dtype) for s in range(self.size)]
+
+        def forward(received, t):  # stage 0 takes micro-batch t (ticks past M feed it a repeat: unused)
+            return jax.lax.switch(stage, branches, flat, first_input(pick(t)), received)
+
+        def unpacked(out):
+            return out[..., :math.prod(out_shape.shape[1:])].reshape(out.shape[:-2] + out_shape.shape) \
+                .astype(out_shape.dtype)
+
+        start = self.cast(jnp.zeros((x0.shape[0], width), dtype))
+        return stage, m_count, pick, forward, unpacked, out_shape, start
+
+    def cast(self, x):
+        """The schedule's carry varies per device from the first tick on (DESIGN.md section 8)."""
+        return jax.lax.pcast(x, self.varying, to="varying")
+
     def run(self, stacked, micro, first_input, per_microbatch):
         """The GPipe schedule over this device's micro-batches.
 
@@ -195,33 +223,40 @@ class Pipeline:
         runs on the last stage's output. Returns the sums over micro-batches of
         ``per_microbatch``, the same on every stage (summed over ``stage`` from the last one).
         """
-        s_count, m_count = self.size, jax.tree_util.tree_leaves(micro)[0].shape[0]
-        flat = stacked[STACKED].reshape(-1)  # this stage's row
-        stage = jax.lax.axis_index(self.axis)
-        pick = lambda i: jax.tree_util.tree_map(lambda x: x[jnp.clip(i, 0, m_count - 1)], micro)  # noqa: E731
-        x0 = jax.eval_shape(lambda: first_input(pick(0)))
-        boundaries = self._boundaries(x0)
-        out_shape = boundaries[-1]
-        width, dtype = self._buffer(boundaries)
-        branches = [self._stage_fn(s, boundaries, width, dtype) for s in range(s_count)]
+        stage, m_count, pick, forward, unpacked, out_shape, start = self._schedule(stacked, micro, first_input)
+        s_count = self.size
         sums_shape = jax.eval_shape(lambda: per_microbatch(jnp.zeros(out_shape.shape, out_shape.dtype), pick(0)))
 
         def tick(carry, t):
             received, sums = carry
-            mb_in = pick(t)  # stage 0's micro-batch at this tick (ticks past M feed it a repeat: unused)
-            out = jax.lax.switch(stage, branches, flat, first_input(mb_in), received)
+            out = forward(received, t)
             m = t - (s_count - 1)  # the micro-batch leaving the last stage now
             done = (stage == s_count - 1) & (m >= 0)
-            result = per_microbatch(out[:, :math.prod(out_shape.shape[1:])].reshape(out_shape.shape)
-                                    .astype(out_shape.dtype), pick(m))
+            result = per_microbatch(unpacked(out), pick(m))
             sums = jax.tree_util.tree_map(lambda a, r: a + jnp.where(done, r, jnp.zeros_like(r)), sums, result)
             return (jax.lax.ppermute(out, self.axis, self.forward_pairs()), sums), None
 
-        cast = lambda x: jax.lax.pcast(x, self.varying, to="varying")  # noqa: E731
-        start = (cast(jnp.zeros((x0.shape[0], width), dtype)),
-                 jax.tree_util.tree_map(lambda r: cast(jnp.zeros(r.shape, r.dtype)), sums_shape))
+        start = (start, jax.tree_util.tree_map(lambda r: self.cast(jnp.zeros(r.shape, r.dtype)), sums_shape))
         (_, sums), _ = jax.lax.scan(tick, start, jnp.arange(m_count + s_count - 1))
         return jax.lax.psum(sums, self.axis)
+
+    def outputs(self, stacked, micro, first_input):
+        """The last stage's output for every micro-batch, (M, micro-batch, ...), on every stage.
+
+        For a loss that is not a sum over micro-batches (the user's own loss, applied to the
+        whole device batch's outputs): one all-reduce over ``stage`` of the outputs, which
+        only the last stage holds. Its transpose is the identity, so each stage's backward
+        starts from the same output gradient.
+        """
+        stage, m_count, _, forward, unpacked, _, start = self._schedule(stacked, micro, first_input)
+
+        def tick(received, t):
+            out = forward(received, t)
+            return jax.lax.ppermute(out, self.axis, self.forward_pairs()), out
+
+        _, outs = jax.lax.scan(tick, start, jnp.arange(m_count + self.size - 1))
+        last = unpacked(outs[self.size - 1:])  # tick S-1+m: micro-batch m leaves the last stage
+        return jax.lax.psum(jnp.where(stage == self.size - 1, last, jnp.zeros_like(last)), self.axis)
 
     @staticmethod
     def _buffer(boundaries):
@@ -261,7 +296,8 @@ def for_mesh(model, mesh, microbatches=None, batch_axes=()):
                             "use --mesh data=...,stage=...")
     if not hasattr(model, "pipeline_layers"):
         raise PipelineError(f"{type(model).__name__} has no pipeline plan for the mesh's stage axis: give it a "
-                            "`pipeline_layers()` method (as jaxdp/models/vit/pipeline.py does)")
+                            "`pipeline_layers()` method that lists its layers (docs/strategies.md, "
+                            "jaxdp.parallel.protocol)")
     return Pipeline(model.pipeline_layers(), size, size if microbatches is None else microbatches,
                     batch_axes=batch_axes)
 

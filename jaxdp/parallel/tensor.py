@@ -147,8 +147,15 @@ class TensorParallel:
 
 
 def plan_of(model, size: int):
-    """The plan declared beside the model's class (its module) for ``size`` model devices:
-    ``tp_plan(model, size)`` where the plan depends on the model's sizes, else ``TP_PLAN``; or None."""
+    """The plan the model declares for ``size`` model devices: on itself (a ``tp_plan(size)``
+    method or a ``TP_PLAN`` class attribute: a user's model, ``jaxdp.parallel.protocol``) or
+    beside its class, in its module (``tp_plan(model, size)`` where the plan depends on the
+    model's sizes, else ``TP_PLAN``: jaxdp's models); or None."""
+    own = getattr(type(model), "tp_plan", None)
+    if callable(own):
+        return own(model, size)
+    if getattr(type(model), "TP_PLAN", None) is not None:
+        return type(model).TP_PLAN
     make = beside(model, "tp_plan")
     return make(model, size) if make is not None else beside(model, "TP_PLAN")
 
@@ -166,13 +173,14 @@ def for_mesh(model, mesh, plan=None) -> Optional[TensorParallel]:
     plan = plan if plan is not None else plan_of(model, size)
     if plan is None:
         raise TensorParallelError(
-            f"{type(model).__name__} has no tensor-parallel plan for the mesh's model axis: declare TP_PLAN "
-            "beside its class (as jaxdp/models/vit/parallel.py does) or pass tp_plan=")
+            f"{type(model).__name__} has no tensor-parallel plan for the mesh's model axis: give its class a "
+            "TP_PLAN = {path pattern: Column() or Row()} (docs/strategies.md, jaxdp.parallel.protocol) or pass tp_plan=")
     reason = model.check_model_split(size) if hasattr(model, "check_model_split") else None
     if reason:
         raise TensorParallelError(reason)
     if not hasattr(model, "model_axis"):
-        raise TensorParallelError(f"{type(model).__name__} cannot run split over the model axis: it needs a "
-                                  "`model_axis` attribute that splits its layers (see jaxdp/models/vit)")
+        raise TensorParallelError(f"{type(model).__name__} cannot run split over the model axis: give it a field "
+                                  "`model_axis: Optional[str] = None` that its layers split by (docs/strategies.md, "
+                                  "jaxdp.parallel.protocol)")
     note = model.model_split_note(size) if hasattr(model, "model_split_note") else None
     return TensorParallel(plan, size, note=note)

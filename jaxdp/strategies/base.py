@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp import compile_options, task as tasks
 from jaxdp.mesh import DATA_AXIS, shard_batch
-from jaxdp.parallel import pipeline, tensor
+from jaxdp.parallel import pipeline, protocol, staged, tensor
 from jaxdp.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.buckets import insertion_order_paths
@@ -197,7 +197,7 @@ class Strategy:
         rebind = sync_bn or self.tp is not None
         try:
             if self.pp is not None:  # the model's layers run stage by stage
-                self.task = self.eval_task = pipeline.PipelinedClassifier(self.pp, task)
+                self.task, self.eval_task = staged.bind(self.pp, task)
             else:
                 self.task = task.with_model(self.model) if rebind else task
                 self.eval_task = task.with_model(self._in_mesh(self.init_model)) if rebind else task
@@ -233,8 +233,17 @@ class Strategy:
         if self.tp is not None:
             try:
                 self.tp.check(variables)
+                if self.pp is None:  # the model takes its slices (jaxdp.parallel.protocol)
+                    self._check_split(variables, batch)
             except tensor.TensorParallelError as e:
                 raise StrategyError(str(e)) from None
+
+    def _check_split(self, variables, batch):
+        one_row = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(np.shape(x)[1:]), x.dtype),
+                                         _abstract(batch))
+        protocol.check_split(self._in_mesh(self.init_model), variables, self.placement.variables_specs(
+            variables, False), one_row, self.task.model_inputs, self.mesh, self.tp.axis, self.tp.size,
+            self.task.init_kwargs)
 
     def _learn_units(self, init, batch):
         return jax.eval_shape(init, batch)
