@@ -41,6 +41,12 @@ class UnshardableTransformError(ValueError):
     """An optax transform that reduces over whole tensors, under a layout that cuts them."""
 
 
+class NeedWeightTotals(Exception):
+    """``global_mean`` with K > 1 micro-batches before their weight sums are known: ``local_grads``
+    catches it, collects them (``weight_totals``) and traces the micro-steps again. So a loss
+    without ``global_mean`` costs nothing extra."""
+
+
 @dataclasses.dataclass
 class StepContext:
     """What a strategy's step tells the reductions traced inside it."""
@@ -123,10 +129,10 @@ def global_mean(values, weights=None):
 
         L_dk = N K S_dk / W,
 
-    which is what this returns. W is known before the first micro-batch: with K = 1 it is
+    which is what this returns. W must be known at the first micro-batch: with K = 1 it is
     one ``psum`` of the local weight sum over the batch axes; with K > 1 the strategy traces
-    ``loss_fn`` once more, forward only, to collect each call's weight sums (``local_grads``),
-    and that pass feeds nothing but W, so everything else in it is compiled away. Weights
+    ``loss_fn`` once more, forward only, to collect each call's weight sums first
+    (``weight_totals``), and that pass feeds nothing but W, so XLA keeps nothing else of it. Weights
     must not depend on the params (they get no gradient). The loss the strategy reports,
     the mean over devices and micro-batches of L_dk, is then the global weighted mean itself.
 
@@ -146,7 +152,9 @@ def global_mean(values, weights=None):
     if context.accum_steps == 1:
         total = jax.lax.psum(local, context.batch_axes)
     else:
-        if context.totals is None or context.calls >= len(context.totals):
+        if context.totals is None:
+            raise NeedWeightTotals()
+        if context.calls >= len(context.totals):
             raise RuntimeError("jaxdp.global_mean: call it the same number of times on every micro-batch")
         total = context.totals[context.calls]
         context.calls += 1
@@ -168,13 +176,10 @@ def weight_totals(loss_fn, params, model_state, micro, keys):
 
     ``loss_fn`` runs forward on every micro-batch (a ``lax.map``) with ``global_mean`` only
     recording its local weight sums; those sums, psum'd over the batch axes, are all that
-    pass returns, so XLA keeps nothing else of it. A loss without ``global_mean`` returns
-    nothing, and the whole pass is dropped.
+    pass returns, so the rest of it is dead code, dropped before XLA sees it
+    (``test_global_mean_pass_over_the_micro_batches_is_compiled_away``).
     """
     context = current()
-    if context is None or context.accum_steps == 1:
-        yield
-        return
 
     def collect(xs):
         b, key = xs

@@ -61,8 +61,11 @@ def local_grads(loss_fn: Callable, params, model_state, batch, rng, accum_steps:
         raise StrategyError(f"per-device batch {size} is not divisible by {accum_steps} accumulation steps")
     micro = jax.tree_util.tree_map(lambda x: x.reshape(accum_steps, size // accum_steps, *x.shape[1:]), batch)
     keys = jax.random.split(rng, accum_steps)
-    with reductions.weight_totals(loss_fn, params, model_state, micro, keys):  # jaxdp.global_mean's W
+    try:
         return _accumulate(micro_step, params, model_state, micro, keys, accum_steps)
+    except reductions.NeedWeightTotals:  # the loss calls jaxdp.global_mean: its W over all micro-batches first
+        with reductions.weight_totals(loss_fn, params, model_state, micro, keys):
+            return _accumulate(micro_step, params, model_state, micro, keys, accum_steps)
 
 
 def _accumulate(micro_step, params, model_state, micro, keys, accum_steps: int):
