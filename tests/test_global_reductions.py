@@ -143,7 +143,9 @@ def test_global_mean_is_the_global_weighted_mean(strategy):
     want, want_losses = reference(weighted_loss, tx, start, data)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-13)
     assert max_rel(params, want) < 1e-13
-    # What the default (a mean of per-device weighted means) would give is measurably off.
+    if strategy != "hsdp":
+        return
+    # What the default (a mean of per-device weighted means) gives is measurably off.
     def per_device_mean(params, model_state, batch, rng):
         per_example = jnp.sum((MODEL.apply({"params": params}, batch["x"]) - batch["y"]) ** 2, axis=-1)
         return jnp.sum(per_example * batch["w"]) / jnp.maximum(jnp.sum(batch["w"]), 1.0), (model_state, {})
@@ -157,28 +159,20 @@ def test_global_mean_outside_a_step_is_the_weighted_mean():
     assert float(jaxdp.global_mean(values)) == pytest.approx(7 / 3)
 
 
-@pytest.mark.float64
-def test_clip_by_global_norm_over_model_slices_and_chunks():
-    """zero3 on data=2 x model=2: each device's part of a gradient is a chunk of a model slice."""
+def test_optax_global_clip_is_refused_beside_a_model_axis():
+    """Under tensor parallelism even ddp's optimizer sees slices. (jaxdp's clip there sums squares
+    with the same function as the logged grad_norm, which test_grad_norm.py holds to the whole
+    gradient's norm on data=2 x model=2 under ddp and zero3.)"""
     from jaxdp.models.vit import ViT
 
-    model = ViT(num_classes=10, image_size=8, patch=4, dim=8, depth=1, heads=2, mlp_dim=16,
-                dtype=jnp.float64, param_dtype=jnp.float64)
-    task = jaxdp.classifier(model)
-    tx = optax.chain(jaxdp.clip_by_global_norm(0.05), optax.sgd(0.1))
+    model = ViT(num_classes=10, image_size=8, patch=4, dim=8, depth=1, heads=2, mlp_dim=16)
     rng = np.random.default_rng(0)
-    batch = {"image": rng.normal(size=(4, 8, 8, 3)), "label": rng.integers(0, 10, 4).astype(np.int32)}
-    trainer = jaxdp.Trainer(model, task, tx, jaxdp.ZeRO(stage=3), jaxdp.make_mesh(data=2, model=2))
-    state = trainer.init(jax.random.key(0), batch)
-    start = jax.device_get(trainer.canonical(state).params)
-    state, _ = trainer.step(state, batch)
-    grads = jax.grad(lambda p: task.loss_fn(p, {}, batch)[0])(start)
-    assert float(optax.global_norm(grads)) > 4 * 0.05
-    want = optax.apply_updates(start, tx.update(grads, tx.init(start), start)[0])
-    assert max_rel(jax.device_get(trainer.canonical(state).params), want) < 1e-13
+    batch = {"image": rng.normal(size=(4, 8, 8, 3)).astype(np.float32), "label": rng.integers(0, 10, 4)}
+    trainer = jaxdp.Trainer(model, jaxdp.classifier(model), optax.chain(optax.clip_by_global_norm(0.05),
+                                                                      optax.sgd(0.1)),
+                            jaxdp.DDP(), jaxdp.make_mesh(data=2, model=2))
     with pytest.raises(StrategyError, match="reduces over whole tensors.*ddp with a model or stage axis"):
-        jaxdp.Trainer(model, task, optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), jaxdp.DDP(),
-                      jaxdp.make_mesh(data=2, model=2)).init(jax.random.key(0), batch)
+        trainer.init(jax.random.key(0), batch)
 
 
 @pytest.mark.float64
