@@ -159,6 +159,14 @@ def test_global_mean_outside_a_step_is_the_weighted_mean():
     assert float(jaxdp.global_mean(values)) == pytest.approx(7 / 3)
 
 
+@pytest.mark.float64
+def test_jaxdp_clip_on_part_of_the_tree_is_one_clear_error_where_grads_are_cut():
+    tx = optax.chain(optax.masked(jaxdp.clip_by_global_norm(1.0), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+                     optax.sgd(0.1))
+    with pytest.raises(StrategyError, match="needs the whole gradient tree: put it in the top-level optax.chain"):
+        trained("zero2", mean_loss, tx, batches(4, 1), devices=2)
+
+
 def test_optax_global_clip_is_refused_beside_a_model_axis():
     """Under tensor parallelism even ddp's optimizer sees slices. (jaxdp's clip there sums squares
     with the same function as the logged grad_norm, which test_grad_norm.py holds to the whole

@@ -385,9 +385,7 @@ class Strategy:
         """The sum of squares over the whole model of a params-shaped ``tree`` in this strategy's layout
         (``chunked``: ZeRO's chunks over data): each device's sum, summed over the mesh axes its
         part is cut along, one psum per set of axes. ZeRO's padding is zero and adds nothing."""
-        if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(self.shapes):
-            raise StrategyError("jaxdp.clip_by_global_norm needs the whole gradient tree: put it in the top-level "
-                                "optax.chain, not inside masked or multi_transform")
+        self._check_whole_tree(tree)
         specs = self.placement.specs(tree, "params", chunked, self.shapes)
         sums = {}
         for g, spec in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(
@@ -397,12 +395,19 @@ class Strategy:
             sums[axes] = sums.get(axes, 0.0) + jnp.sum(g * g)
         return sum(jax.lax.psum(v, axes) if axes else v for axes, v in sums.items())
 
+    def _check_whole_tree(self, tree) -> None:
+        if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(self.shapes):
+            raise StrategyError("jaxdp.clip_by_global_norm needs the whole gradient tree: put it in the top-level "
+                                "optax.chain, not inside masked or multi_transform")
+
     def step_context(self) -> reductions.StepContext:
         """What ``jaxdp.clip_by_global_norm`` and ``jaxdp.global_mean`` need to know inside the step:
-        the optimizer sees chunks exactly when its state is sharded (ZeRO-1/2/3, HSDP)."""
+        the optimizer sees chunks exactly when its state is sharded (ZeRO-1/2/3, HSDP), slices beside
+        a model or stage axis; with whole gradients (ddp, dp, async) the plain local sum is the global one."""
+        cut = self.sharded_opt_state or self.tp is not None
         return reductions.StepContext(
             batch_axes=self.batch_axes, num_devices=self.num_devices, accum_steps=self.accum_steps,
-            sum_of_squares=lambda tree: self.global_sum_of_squares(tree, self.sharded_opt_state))
+            sum_of_squares=(lambda tree: self.global_sum_of_squares(tree, self.sharded_opt_state)) if cut else None)
 
     def refuse_unshardable_tx(self) -> None:
         """Refuse, in one line, an optimizer that reduces over whole tensors when the optimizer sees
@@ -413,8 +418,7 @@ class Strategy:
         layout_name = self.name if self.sharded_opt_state else f"{self.name} with a model or stage axis"
 
         def placeholder(tree):  # stands for the sharded reduction, without tracing one
-            if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(self.shapes):
-                self.global_sum_of_squares(tree, False)  # raises its one line
+            self._check_whole_tree(tree)
             return jnp.ones((), jnp.float32)
         probe = reductions.StepContext(self.batch_axes, self.num_devices, self.accum_steps, placeholder)
         try:
