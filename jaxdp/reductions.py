@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend import core as jax_core
 
 
 class UnshardableTransformError(ValueError):
@@ -253,11 +254,11 @@ def _reduction_over(jaxpr, tainted_in) -> Optional[str]:
 def _sub_jaxprs(params):
     for value in params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jax.extend.core.ClosedJaxpr):
+            if isinstance(item, jax_core.ClosedJaxpr):
                 yield item.jaxpr
-            elif isinstance(item, jax.extend.core.Jaxpr):
+            elif isinstance(item, jax_core.Jaxpr):
                 yield item
 
 
 def _is_var(v) -> bool:
-    return not isinstance(v, jax.extend.core.Literal)
+    return not isinstance(v, jax_core.Literal)
