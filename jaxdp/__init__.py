@@ -13,7 +13,7 @@ __version__ = "0.2.0"
 # Lazy: `import jaxdp` must not import jax (the CLI sets XLA_FLAGS first).
 _EXPORTS = {"Trainer": "trainer", "StrategySpec": "trainer", "DDP": "trainer", "ZeRO": "trainer", "HSDP": "trainer",
             "DataParallel": "trainer", "AsyncPS": "trainer", "classifier": "task", "make_mesh": "mesh",
-            "UsageError": "validate"}
+            "UsageError": "validate", "clip_by_global_norm": "reductions", "global_mean": "reductions"}
 
 
 def __getattr__(name):

@@ -222,8 +222,11 @@ def torch_lr_lambda(name: str, base_lr: float, total_steps: int, *, warmup_steps
 def make_optimizer(name: str, learning_rate: float | optax.Schedule, *, momentum: float = 0.9,
                    nesterov: bool = False, dampening: float = 0.0, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.999),
-                   eps: float = 1e-8) -> optax.GradientTransformation:
+                   eps: float = 1e-8, clip_grad_norm: float | None = None) -> optax.GradientTransformation:
     """The optax chain equal to ``torch.optim.{SGD, Adam, AdamW}`` with the same options.
+
+    ``clip_grad_norm``: first ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)`` on the
+    gradients (``jaxdp.clip_by_global_norm``: the global norm under every strategy).
 
     ``learning_rate`` is a float or a schedule (``make_schedule``), evaluated at the update
     count. ``momentum``/``nesterov``/``dampening`` apply to sgd, ``betas``/``eps`` to
@@ -234,6 +237,14 @@ def make_optimizer(name: str, learning_rate: float | optax.Schedule, *, momentum
     amsgrad is not supported, so there is no argument for it.
     """
     _choice("optimizer", name, OPTIMIZERS)
+    if clip_grad_norm is not None:
+        from jaxdp.reductions import clip_by_global_norm
+
+        if not _nonneg("clip_grad_norm", clip_grad_norm) > 0:
+            raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+        return optax.chain(clip_by_global_norm(float(clip_grad_norm)),
+                           make_optimizer(name, learning_rate, momentum=momentum, nesterov=nesterov,
+                                          dampening=dampening, weight_decay=weight_decay, betas=betas, eps=eps))
     if callable(learning_rate):
         lr = learning_rate
     else:

@@ -69,6 +69,7 @@ class OptimizerOptions:
     weight_decay: float = 0.0
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    clip_grad_norm: Optional[float] = None  # max global gradient norm (torch.nn.utils.clip_grad_norm_)
     schedule: str = "constant"
     warmup_steps: int = 0
 

@@ -56,6 +56,8 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 (sgd, adam) or decoupled (adamw)")
     g.add_argument("--betas", type=comma_floats, default=d.betas, help="adam, adamw: b1,b2")
     g.add_argument("--eps", type=float, default=d.eps, help="adam, adamw")
+    g.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm,
+                   help="clip the gradients' global norm to this first (torch: clip_grad_norm_; jaxdp.clip_by_global_norm)")
     g.add_argument("--schedule", default=d.schedule, metavar=choices.listing(choices.SCHEDULES), help="lr schedule over the updates")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="warmup_cosine: linear warmup updates")
     g = p.add_argument_group("output")

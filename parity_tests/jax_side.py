@@ -43,7 +43,8 @@ def jax_strategy(p: Plan, variables=None):
     lr = (cfg.lr if cfg.schedule == "constant" and cfg.warmup_steps == 0 else
           make_schedule(cfg.schedule, cfg.lr, p.torch_config["total_steps"], warmup_steps=cfg.warmup_steps))
     tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                        weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps)
+                        weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps,
+                        clip_grad_norm=cfg.clip_grad_norm)
     units = {"units": fsdp_units(model)} if cfg.strategy in ("zero3", "hsdp") else {}
     return create_strategy(cfg.strategy, model, classifier(model), tx, make_mesh(cfg.devices),
                            accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, return_grads=True, **units,

@@ -119,7 +119,7 @@ def _torch_config(cfg: ParityConfig, pair: Pair, torch_strategy: str, full_batch
         strategy=torch_strategy, model=cfg.model, **cfg.model_options(),
         num_classes=cfg.num_classes, dtype=cfg.dtype, optimizer=cfg.optimizer, lr=cfg.lr,
         momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-        betas=tuple(cfg.betas), eps=cfg.eps, schedule=cfg.schedule,
+        betas=tuple(cfg.betas), eps=cfg.eps, clip_grad_norm=cfg.clip_grad_norm, schedule=cfg.schedule,
         total_steps=max(cfg.steps, cfg.warmup_steps + 1), warmup_steps=cfg.warmup_steps,
         accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn and not full_batch, seed=cfg.seed,
     )

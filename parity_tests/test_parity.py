@@ -105,6 +105,16 @@ LOW_PRECISION = {
 }
 
 
+# Gradient clipping, torch's clip_grad_norm_ before each optimizer.step() against
+# jaxdp.clip_by_global_norm first in the optax chain, in every layout the optimizer sees:
+# whole gradients (ddp), ZeRO's chunks (padded at N = 3), HSDP replicated (2 x 1) and sharded
+# (1 x 3). On FSDP2's DTensors clip_grad_norm_ takes the global norm. max_norm sits below every
+# step's gradient norm (asserted), so every update is clipped.
+CLIP_NORM = 0.1
+CLIP = {f"{strategy}-n{n}": dict(strategy=strategy, devices=n, steps=2, clip_grad_norm=CLIP_NORM, **SGD)
+        for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp") for n in (2, 3)}
+
+
 def config(dtype, **kw):
     return ParityConfig(dtype=dtype, **{**TINY, **kw})
 
@@ -148,6 +158,16 @@ def test_float64_every_tensor_every_step(name):
 @pytest.mark.parametrize("name", list(F32))
 def test_float32_within_measured_noise(name):
     assert_parity(run_parity(config("float32", **F32[name]), reuse_torch=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CLIP))
+def test_clipped_gradients_float64(name):
+    result = run_parity(config("float64", **CLIP[name]))
+    assert_parity(result)
+    for record in result.torch_records:  # the pre-clip norm: the clip acted at every step
+        norm = np.sqrt(sum(float(np.sum(np.square(g))) for g in record["grads"].values()))
+        assert norm > 2 * CLIP_NORM, norm
 
 
 @pytest.mark.slow

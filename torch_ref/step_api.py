@@ -19,7 +19,8 @@ use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:
   float64 (``model.double()``) | bfloat16 (fp32 params, bf16 compute: FSDP2
   ``MixedPrecisionPolicy`` on CUDA, ``torch.autocast`` otherwise)
 - optimizer: ``optimizer`` (sgd | adam | adamw), ``lr``, ``momentum``, ``nesterov``,
-  ``weight_decay``, ``betas``, ``eps``; schedule: ``schedule``, ``total_steps``,
+  ``weight_decay``, ``betas``, ``eps``, ``clip_grad_norm`` (``clip_grad_norm_`` before each
+  ``optimizer.step()``); schedule: ``schedule``, ``total_steps``,
   ``warmup_steps``, ``milestones`` (in updates), ``gamma`` (``LambdaLR`` over
   ``jaxdp.optim.torch_lr_lambda``)
 - ``accum_steps`` (micro-batches per update; DDP ``no_sync`` / FSDP2
@@ -33,7 +34,7 @@ use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:
 
 What is returned, all numpy, by torch name:
 
-- ``grads``: the averaged gradient the optimizer stepped with: ``.grad`` after DDP's
+- ``grads``: the averaged gradient, before any clipping: ``.grad`` after DDP's
   all-reduce; for FSDP2 the reduce-scattered shards gathered with ``full_tensor()``. With
   accumulation it is the sum over micro-batches of grad(loss / K), averaged over ranks.
 - ``params``: full params after the step; ``buffers``: rank 0's BN running mean/var.
@@ -162,7 +163,11 @@ class Runner:
         return loss_sum / k, correct, lr
 
     def update(self) -> None:
-        """The optimizer step with the averaged grads, then one scheduler step."""
+        """The optimizer step with the averaged grads (first clipped to ``clip_grad_norm`` if
+        set: on FSDP2's DTensor grads ``clip_grad_norm_`` takes the global norm), then one
+        scheduler step."""
+        if self.config["clip_grad_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(self.parallel.module.parameters(), self.config["clip_grad_norm"])
         self.optimizer.step()
         self.scheduler.step()
         self.steps += 1
@@ -173,7 +178,8 @@ class Runner:
         par = self.parallel
         x, y = to_torch_batch(images_nhwc, labels, par.device, self.dtype)
         loss, correct, lr = self.forward_backward(x, y)
-        grads = strategies.full_grads(par) if collect else None
+        # Copied before the update: clip_grad_norm_ scales DDP's .grad in place.
+        grads = {n: _numpy(g) for n, g in strategies.full_grads(par).items()} if collect else None
         self.update()
         per_rank = tdist.all_gather_floats([float(loss), float(correct), x.shape[0]])
         if collect:
@@ -190,7 +196,7 @@ class Runner:
             "lr": lr,
         }
         if collect:
-            out["grads"] = {n: _numpy(g) for n, g in grads.items()}
+            out["grads"] = grads
             out["params"] = {n: _numpy(p) for n, p in params.items()}
             out["buffers"] = {n: _numpy(b) for n, b in par.module.named_buffers()
                               if n.endswith(("running_mean", "running_var"))}

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp import compile_options, task as tasks
+from jaxdp import compile_options, reductions, task as tasks
 from jaxdp.mesh import DATA_AXIS, shard_batch
 from jaxdp.parallel import pipeline, protocol, staged, tensor
 from jaxdp.state import TrainState
@@ -50,7 +50,7 @@ def local_grads(loss_fn: Callable, params, model_state, batch, rng, accum_steps:
 
     def micro_step(p, ms, b, key):
         def scaled(p):
-            loss, (new_ms, metrics) = loss_fn(p, ms, b, key)
+            loss, (new_ms, metrics) = reductions.micro_batch_loss(loss_fn, p, ms, b, key)
             return loss / accum_steps, (loss, new_ms, metrics)
 
         grads, (loss, ms, metrics) = jax.grad(scaled, has_aux=True)(p)
@@ -61,6 +61,14 @@ def local_grads(loss_fn: Callable, params, model_state, batch, rng, accum_steps:
         raise StrategyError(f"per-device batch {size} is not divisible by {accum_steps} accumulation steps")
     micro = jax.tree_util.tree_map(lambda x: x.reshape(accum_steps, size // accum_steps, *x.shape[1:]), batch)
     keys = jax.random.split(rng, accum_steps)
+    try:
+        return _accumulate(micro_step, params, model_state, micro, keys, accum_steps)
+    except reductions.NeedWeightTotals:  # the loss calls jaxdp.global_mean: its W over all micro-batches first
+        with reductions.weight_totals(loss_fn, params, model_state, micro, keys):
+            return _accumulate(micro_step, params, model_state, micro, keys, accum_steps)
+
+
+def _accumulate(micro_step, params, model_state, micro, keys, accum_steps: int):
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
     grads, model_state, loss, metrics = micro_step(params, model_state, first, keys[0])
     if accum_steps == 1:
@@ -306,6 +314,7 @@ class Strategy:
                 self._shardings(place.variables_specs(shapes[1], False))))
             if key is not None:
                 _INIT_PROGRAMS[key] = init_params
+        self.refuse_unshardable_tx()
         # ZeRO-1/2 keep full params but give the optimizer padded chunks.
         pad_for_opt = self.sharded_opt_state and not padded
         opt_init = (lambda p: self.tx.init(place.tree(place.pad, p, "params"))) if pad_for_opt else self.tx.init
@@ -379,15 +388,53 @@ class Strategy:
         """
         if not self.log_grad_norm:
             return out
-        specs = self.placement.specs(grads, "params", chunked, self.shapes)
+        return {**out, "grad_norm": jnp.sqrt(self.global_sum_of_squares(grads, chunked))}
+
+    def global_sum_of_squares(self, tree, chunked: bool):
+        """The sum of squares over the whole model of a params-shaped ``tree`` in this strategy's layout
+        (``chunked``: ZeRO's chunks over data): each device's sum, summed over the mesh axes its
+        part is cut along, one psum per set of axes. ZeRO's padding is zero and adds nothing."""
+        self._check_whole_tree(tree)
+        specs = self.placement.specs(tree, "params", chunked, self.shapes)
         sums = {}
-        for g, spec in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(
+        for g, spec in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(
                 specs, is_leaf=lambda x: isinstance(x, P))):
             axes = tuple(sorted({a for entry in spec if entry for a in _as_tuple(entry)}))
             g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
             sums[axes] = sums.get(axes, 0.0) + jnp.sum(g * g)
-        total = sum(jax.lax.psum(v, axes) if axes else v for axes, v in sums.items())
-        return {**out, "grad_norm": jnp.sqrt(total)}
+        return sum(jax.lax.psum(v, axes) if axes else v for axes, v in sums.items())
+
+    def _check_whole_tree(self, tree) -> None:
+        if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(self.shapes):
+            raise StrategyError("jaxdp.clip_by_global_norm needs the whole gradient tree: put it in the top-level "
+                                "optax.chain, not inside masked or multi_transform")
+
+    def step_context(self) -> reductions.StepContext:
+        """What ``jaxdp.clip_by_global_norm`` and ``jaxdp.global_mean`` need to know inside the step:
+        the optimizer sees chunks exactly when its state is sharded (ZeRO-1/2/3, HSDP), slices beside
+        a model or stage axis; with whole gradients (ddp, dp, async) the plain local sum is the global one."""
+        cut = self.sharded_opt_state or self.tp is not None
+        return reductions.StepContext(
+            batch_axes=self.batch_axes, num_devices=self.num_devices, accum_steps=self.accum_steps,
+            sum_of_squares=(lambda tree: self.global_sum_of_squares(tree, self.sharded_opt_state)) if cut else None)
+
+    def refuse_unshardable_tx(self) -> None:
+        """Refuse, in one line, an optimizer that reduces over whole tensors when the optimizer sees
+        only a part of each (ZeRO's chunks, tensor or pipeline slices): ``reductions.check_shardable``."""
+        if not (self.sharded_opt_state or self.tp is not None) or self.__dict__.get("_tx_checked"):
+            return
+        self._need_shapes()
+        layout_name = self.name if self.sharded_opt_state else f"{self.name} with a model or stage axis"
+
+        def placeholder(tree):  # stands for the sharded reduction, without tracing one
+            self._check_whole_tree(tree)
+            return jnp.ones((), jnp.float32)
+        probe = reductions.StepContext(self.batch_axes, self.num_devices, self.accum_steps, placeholder)
+        try:
+            reductions.check_shardable(self.tx, self.shapes, layout_name, probe)
+        except reductions.UnshardableTransformError as e:
+            raise StrategyError(str(e)) from None
+        self._tx_checked = True
 
     def canonical_grads(self, grads):
         """The ``return_grads`` gradients (this strategy's full per-model-slice layout) in canonical order."""
@@ -532,11 +579,20 @@ class Strategy:
         """The jitted, shard_mapped step, built on first use (its specs need the state)."""
         if self._jit_step is None:
             specs = self.state_specs(state)
+            self.refuse_unshardable_tx()
             local = self.local_step if self.tp is None else self._local_step_whole_grads
             self._jit_step = jax.jit(
-                self._shard_mapped(local, state, P(self.batch_axes), (specs, P()), self.check_vma),
+                self._shard_mapped(self._in_step_context(local), state, P(self.batch_axes), (specs, P()),
+                                   self.check_vma),
                 donate_argnums=0, compiler_options=self.compiler_options)
         return self._jit_step
+
+    def _in_step_context(self, local):
+        """``local`` traced under ``step_context()`` (``jaxdp.reductions``)."""
+        def traced(*args):
+            with reductions.in_step(self.step_context()):
+                return local(*args)
+        return traced
 
     def _local_step_whole_grads(self, state, batch):
         """``local_step``; under tensor parallelism the returned (parity) gradients are gathered

@@ -94,8 +94,8 @@ class DataParallel(Strategy):
             raise StrategyError("dp is single-process (one controller, like nn.DataParallel); use ddp")
         self.devices = list(mesh.devices.flat)
         self._sharding = NamedSharding(mesh, P(self.batch_axes))
-        self._pmap_step = jax.pmap(self._device_step, axis_name=self.axis, devices=self.devices,
-                                   donate_argnums=0)
+        self._pmap_step = jax.pmap(self._in_step_context(self._device_step), axis_name=self.axis,
+                                   devices=self.devices, donate_argnums=0)
         self._pmap_eval = jax.pmap(self._device_eval, axis_name=self.axis, devices=self.devices)
 
     # -- placement: every leaf gets a leading device axis (pmap's layout) ---------------------

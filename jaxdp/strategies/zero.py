@@ -33,8 +33,9 @@ micro-batches and communicate once, as DDP's ``no_sync``. Stage 3 gathers, re-ga
 reduce-scatters every micro-batch and sums the chunks (torch FSDP without ``no_sync``):
 one reduction per K micro-batches would need the full local gradient to accumulate
 into, exactly the 4Ψ per device ZeRO-3 exists to remove. The sum is linear, so the
-result is DDP's. Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s);
-a global-norm clip would see only a chunk.
+result is DDP's. Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s): a
+transform that reduces over whole tensors would see only a chunk, so it is refused at init
+(``jaxdp.reductions.check_shardable``); ``jaxdp.clip_by_global_norm`` is the sharded clip.
 """
 
 import dataclasses
