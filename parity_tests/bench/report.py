@@ -68,12 +68,13 @@ def markdown(result: dict) -> str:
               if isinstance(r.get(fw), dict) and "error" in r[fw]]
     for s, n, fw, err in errors:
         lines.append(f"\n- error {fw} {s} N={n}: `{err.splitlines()[0][:200] if err else ''}`")
-    if result.get("peak_tflops"):
-        lines.append("")
+    if result.get("peak_flops"):
+        lines += ["", f"MFU: {result['flop_per_image'] / 1e9:.3g} GFLOP per trained image (jaxdp.flops), "
+                      f"peak {result['peak_flops'] / 1e12:.4g} TFLOP/s per device (jaxdp.perf.PEAK_FLOPS)."]
         for r in result["rows"]:
             if "mfu_jaxdp" in r:
                 lines.append(f"- MFU {r['strategy']} N={r['n']}: jaxdp {r['mfu_jaxdp']:.1%}, torch_ref "
-                             f"{_fmt(r.get('mfu_torch_ref'), '.1%')} (peak {result['peak_tflops']} TFLOP/s)")
+                             f"{_fmt(r.get('mfu_torch_ref'), '.1%')}, torch.compile {_fmt(r.get('mfu_torch_compile'), '.1%')}")
     p = result.get("pipeline")
     if p:
         lines += ["", f"Input pipeline (numpy, epoch_batches with augmentation, {p['replicas']} replicas): "

@@ -12,17 +12,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxdp.commands import CommandError
+from jaxdp.perf import peak_flops
 from parity_tests.bench import hsdp_mesh_shape
 from parity_tests.bench.bare import add_overheads, bench_bare
 from parity_tests.bench.jax_side import bench_jax, bench_pipeline
 from parity_tests.bench.report import row_line
 from parity_tests.bench.torch_side import bench_torch, torch_twin
 from parity_tests.bench.variants import variants
-
-# Dense bf16 peak per device, TFLOP/s, by a substring of the device name (first match wins).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0,
-               "L4": 121.0, "V100": 125.0}
-RESNET18_CIFAR_FLOP = 3.33e9  # per trained image (fwd + bwd), width 64, 32x32
 
 
 def environment() -> dict:
@@ -61,16 +57,22 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def peak_tflops(device_kind: str) -> Optional[float]:
-    for key, value in PEAK_TFLOPS.items():
-        if key.lower() in device_kind.lower():
-            return value
-    return None
+def flop_per_image(cfg: dict) -> float:
+    """The model's FLOPs per trained image: ``jaxdp.flops``, the count train's MFU uses."""
+    from jaxdp.flops import model_flops_per_image
+
+    options = dict(width=cfg["width"], blocks=cfg["blocks"]) if not cfg["model"].startswith("vit") else {}
+    return model_flops_per_image(cfg["model"], dtype=cfg["dtype"], **options, **cfg.get("vit", {}))
 
 
-def flop_per_image(model: str, width: int) -> Optional[float]:
-    """ResNet-18 CIFAR FLOP per trained image, conv FLOP scaling with width^2 (other models: None)."""
-    return RESNET18_CIFAR_FLOP * (width / 64) ** 2 if model == "resnet18" else None
+def add_mfu(row: dict, fpi: Optional[float], peak: Optional[float]) -> None:
+    """``mfu_<framework>`` for every timed framework of the row (``jaxdp.flops.mfu``)."""
+    from jaxdp.flops import mfu
+
+    for fw in ("jaxdp", "torch_ref", "torch_compile"):
+        value = mfu((row.get(fw) or {}).get("images_per_s"), fpi, row["n"], peak)
+        if value is not None:
+            row[f"mfu_{fw}"] = value
 
 
 def _median(xs):
@@ -103,8 +105,8 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
     if skipped:
         log(f"bench: skipping N = {skipped} (only {available} devices, or global batch "
             f"{cfg['global_batch']} not divisible)")
-    peak = peak_tflops(env["device_kind"]) if env["backend"] == "gpu" else None
-    fpi = flop_per_image(cfg["model"], cfg["width"])
+    peak = peak_flops(env["device_kind"], cfg["dtype"]) if env["backend"] == "gpu" else None
+    fpi = flop_per_image(cfg) if peak else None  # an abstract trace of the model: seconds, for MFU only
     rng = np.random.default_rng(0)
     rows, bare = [], {}
     i = 0
@@ -144,10 +146,7 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
             if j.get("median_step_s") and t.get("median_step_s"):
                 row["ratio_jax_over_torch"] = j["median_step_s"] / t["median_step_s"]
             add_overheads(row, bare.get(str(n), {}))
-            if peak and fpi and j.get("images_per_s"):
-                row["mfu_jaxdp"] = j["images_per_s"] * fpi / (n * peak * 1e12)
-                if t.get("images_per_s"):
-                    row["mfu_torch_ref"] = t["images_per_s"] * fpi / (n * peak * 1e12)
+            add_mfu(row, fpi, peak)
             rows.append(row)
             log(row_line(row))
     pipe = bench_pipeline(max(ns), cfg["global_batch"], pipeline_images) if ns else None
@@ -157,5 +156,5 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
         pipe["headroom"] = pipe["images_per_s"] / best
     env["loadavg_end"] = list(os.getloadavg())
     return {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
-            "strategies": list(strategies), "environment": env, "peak_tflops": peak, "flop_per_image": fpi,
+            "strategies": list(strategies), "environment": env, "peak_flops": peak, "flop_per_image": fpi,
             "rows": rows, "bare": bare, "pipeline": pipe}
