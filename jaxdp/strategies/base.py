@@ -169,6 +169,8 @@ class Strategy:
         # Parity checks compare the averaged gradients too; off in training (it costs memory).
         self.return_grads = return_grads
         self.log_grad_norm = log_grad_norm  # the trainer logs it; off by default (one more collective)
+        # The step donates the state's buffers (updated in place); the bench turns it off to measure it.
+        self.donate = True
         # XLA compile options of the step: None = the platform's default, "none" = XLA's own
         # (jaxdp.compile_options); refused here, in one line, if written wrong.
         try:
@@ -515,7 +517,7 @@ class Strategy:
             local = self.local_step if self.tp is None else self._local_step_whole_grads
             self._jit_step = jax.jit(
                 self._shard_mapped(local, state, P(self.batch_axes), (specs, P()), self.check_vma),
-                donate_argnums=0, compiler_options=self.compiler_options)
+                donate_argnums=0 if self.donate else (), compiler_options=self.compiler_options)
         return self._jit_step
 
     def _local_step_whole_grads(self, state, batch):

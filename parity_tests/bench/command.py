@@ -17,6 +17,7 @@ from parity_tests.bench import cuda_host
 from parity_tests.bench.bare import bare_markdown
 from parity_tests.bench.jax_side import prepare_jax
 from parity_tests.bench.layouts import layout_markdown, run_layouts
+from parity_tests.bench.levers import LEVERS, levers
 from parity_tests.bench.report import HEADER, markdown, plots
 from parity_tests.bench.runner import run_bench
 from parity_tests.bench.variants import add_variant_args, axes_from
@@ -47,6 +48,13 @@ def add_bench_args(p) -> None:
                    help="layouts instead of --devices, e.g. --mesh data=4 data=2,model=2: one jaxdp row per "
                         "strategy and mesh, with traffic per mesh axis (parity_tests.bench.layouts)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
+    p.add_argument("--torch-compile", dest="torch_compile", default=None, metavar="BACKEND",
+                   help="also time torch_ref's step under torch.compile with this backend (inductor; aot_eager "
+                        "or eager to test the path); the jax/best torch ratio takes the faster of eager and "
+                        "compiled (default: eager only; --preset gpu: inductor)")
+    p.add_argument("--levers", type=levers, default=None,
+                   help=f"jaxdp rows per XLA/step lever, e.g. default,autotune-0 ({', '.join(LEVERS)}; "
+                        "parity_tests/bench/levers.py); torch_ref is timed on the first lever's rows")
     p.add_argument("--no-bare", dest="bare", action="store_false",
                    help="skip the bare rows (plain jitted / eager torch step at each N's per-device batch)")
     add_variant_args(p)
@@ -84,6 +92,8 @@ def _resolve(args) -> dict:
         "vit": {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None},
         "bare": args.bare,
         "variants": axes_from(args),
+        "torch_compile": args.torch_compile,
+        "levers": args.levers,
     }
 
 

@@ -75,6 +75,61 @@ def add_mfu(row: dict, fpi: Optional[float], peak: Optional[float]) -> None:
             row[f"mfu_{fw}"] = value
 
 
+def bare_key(n: int, lever) -> str:
+    """Where a row's bare steps are: by N, and by lever beside the default."""
+    return str(n) if lever in (None, "default") else f"{n} {lever}"
+
+
+def _row(name: str, n: int, options: dict, lever, cfg: dict, images: np.ndarray, labels: np.ndarray, *,
+         order_jax_first: bool, with_torch: bool, timeout_s: float) -> dict:
+    """One (N, strategy, options, lever) row: jaxdp and, if asked and the strategy has a twin,
+    torch_ref (eager and compiled), in the given order."""
+    row = {"strategy": name, "n": n, "options": options, "lever": lever, "bare_key": bare_key(n, lever),
+           "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
+           "order": "jaxdp first" if order_jax_first else "torch_ref first", "loadavg_before": list(os.getloadavg())}
+
+    def do_jax():
+        try:
+            row["jaxdp"] = _summary(bench_jax(name, n, cfg, images.reshape(-1, 32, 32, 3), labels.reshape(-1),
+                                              options, lever=lever), cfg["global_batch"])
+        except Exception as e:
+            row["jaxdp"] = {"error": f"{type(e).__name__}: {e}"}
+
+    def do_torch():
+        for key, backend in torch_runs(cfg):
+            try:
+                row[key] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s, options,
+                                                compile_backend=backend), cfg["global_batch"])
+            except Exception as e:
+                row[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+
+    runs = [do_jax] + ([do_torch] if with_torch and torch_twin(name) is not None else [])
+    for run in runs if order_jax_first else runs[::-1]:
+        run()
+    row["loadavg_after"] = list(os.getloadavg())
+    j, t = row.get("jaxdp", {}), row.get("torch_ref", {})
+    if j.get("median_step_s") and t.get("median_step_s"):
+        row["ratio_jax_over_torch"] = j["median_step_s"] / t["median_step_s"]
+    add_best_torch(row)
+    return row
+
+
+def torch_runs(cfg: dict):
+    """(row key, torch.compile backend) of each torch run a row gets: eager always, and
+    compiled under ``cfg["torch_compile"]`` when set."""
+    return [("torch_ref", None)] + ([("torch_compile", cfg["torch_compile"])] if cfg.get("torch_compile") else [])
+
+
+def add_best_torch(row: dict) -> None:
+    """The headline ratio: jaxdp's step over the faster of torch eager and torch.compile."""
+    steps = [(row.get(k) or {}).get("median_step_s") for k in ("torch_ref", "torch_compile")]
+    best = min((s for s in steps if s), default=None)
+    j = (row.get("jaxdp") or {}).get("median_step_s")
+    if best and j:
+        row["best_torch"] = "torch.compile" if best == steps[1] else "eager"
+        row["ratio_jax_over_best_torch"] = j / best
+
+
 def _median(xs):
     return statistics.median(xs) if xs else None
 
@@ -109,46 +164,23 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
     fpi = flop_per_image(cfg) if peak else None  # an abstract trace of the model: seconds, for MFU only
     rng = np.random.default_rng(0)
     rows, bare = [], {}
-    i = 0
+    lever_names = list(cfg.get("levers") or [None])
     for n in ns:
         images = rng.normal(size=(n, cfg["global_batch"] // n, 32, 32, 3)).astype(np.float32)
         labels = rng.integers(0, 10, size=(n, cfg["global_batch"] // n)).astype(np.int32)
-        if cfg.get("bare", True):  # the same per-device batch with no strategy code (bare.py)
-            bare[str(n)] = bench_bare(cfg, images[0], labels[0], with_torch=with_torch, timeout_s=timeout_s)
-        for name, options in [(s, o) for s in strategies for o in variants(s, cfg.get("variants", {}))]:
-            row = {"strategy": name, "n": n, "options": options, "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
-                   "order": "jaxdp first" if i % 2 == 0 else "torch_ref first",
-                   "loadavg_before": list(os.getloadavg())}
-            do_torch = with_torch and torch_twin(name) is not None
-
-            def do_jax():
-                try:
-                    row["jaxdp"] = _summary(bench_jax(name, n, cfg, images.reshape(-1, 32, 32, 3),
-                                                      labels.reshape(-1), options), cfg["global_batch"])
-                except Exception as e:
-                    row["jaxdp"] = {"error": f"{type(e).__name__}: {e}"}
-
-            def do_torch_row():
-                try:
-                    row["torch_ref"] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s, options),
-                                                cfg["global_batch"])
-                except Exception as e:
-                    row["torch_ref"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
-
-            order = [do_jax, do_torch_row] if i % 2 == 0 else [do_torch_row, do_jax]
-            for f in order:
-                if f is do_torch_row and not do_torch:
-                    continue
-                f()
-            i += 1
-            row["loadavg_after"] = list(os.getloadavg())
-            j, t = row.get("jaxdp", {}), row.get("torch_ref", {})
-            if j.get("median_step_s") and t.get("median_step_s"):
-                row["ratio_jax_over_torch"] = j["median_step_s"] / t["median_step_s"]
-            add_overheads(row, bare.get(str(n), {}))
-            add_mfu(row, fpi, peak)
-            rows.append(row)
-            log(row_line(row))
+        for lever in lever_names:
+            first = lever == lever_names[0]  # torch is timed on the first lever's rows only: no lever touches it
+            if cfg.get("bare", True):  # the same per-device batch with no strategy code (bare.py)
+                bare[bare_key(n, lever)] = bench_bare(cfg, images[0], labels[0], with_torch=with_torch and first,
+                                                      timeout_s=timeout_s, lever=lever,
+                                                      compile_backend=cfg.get("torch_compile"))
+            for name, options in [(s, o) for s in strategies for o in variants(s, cfg.get("variants", {}))]:
+                row = _row(name, n, options, lever, cfg, images, labels, order_jax_first=len(rows) % 2 == 0,
+                           with_torch=with_torch and first, timeout_s=timeout_s)
+                add_overheads(row, bare.get(row["bare_key"], {}))
+                add_mfu(row, fpi, peak)
+                rows.append(row)
+                log(row_line(row))
     pipe = bench_pipeline(max(ns), cfg["global_batch"], pipeline_images) if ns else None
     best = max((r["jaxdp"]["images_per_s"] for r in rows if r.get("jaxdp", {}).get("images_per_s")), default=None)
     if pipe and best:
