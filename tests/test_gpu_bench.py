@@ -1,0 +1,52 @@
+"""``jaxdp bench --preset gpu --quick`` (``make gpu-bench``) without a GPU: the dry run's plan
+(with a faked GPU count), the one-line refusal, the train run's command against the real
+parser, and the summary read from train's records and a bench result."""
+
+import json
+
+import pytest
+
+from jaxdp.cli import main
+from parity_tests.bench import gpu_preset
+
+
+def test_quick_dry_run_prints_the_plan_with_a_faked_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_preset, "visible_gpus", lambda: 1)
+    assert main(["bench", "--preset", "gpu", "--quick", "--dry-run", "--out", "runs/gpu-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "one GPU, batch 512; 1 GPU(s) visible" in out
+    (train,) = [line for line in out.splitlines() if "jaxdp train end to end" in line]
+    assert "--global-batch-size 512 --synthetic-size 30720,512 --max-steps 60" in train
+    assert "--out runs/gpu-bench/train" in train
+    (row,) = [line for line in out.splitlines() if "bench row" in line]
+    assert "ddp" in row and "torch.compile (inductor)" in row and "tuned eager" in row
+    assert "host input pipeline" in out
+
+
+def test_quick_refuses_without_a_gpu_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_preset, "visible_gpus", lambda: 0)
+    assert main(["bench", "--preset", "gpu", "--quick"]) == 2
+    assert capsys.readouterr().err.strip() == ("jaxdp: error: --preset gpu needs CUDA GPUs and nvidia-smi lists none; "
+                                               "--dry-run prints the rows it runs")
+
+
+def test_the_train_run_is_a_command_train_accepts(tmp_path):
+    from jaxdp.cli import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(gpu_preset.train_argv(str(tmp_path))))
+    assert (cfg.global_batch_size, cfg.max_steps, cfg.dtype, cfg.width, cfg.devices) == (512, 60, "bfloat16", 64, 1)
+    assert cfg.synthetic_size == (30720, 512) and cfg.out == str(tmp_path)
+
+
+def test_quick_summary_reads_train_records_after_the_warm_up(tmp_path):
+    records = [{"kind": "train", "step": s, "images_per_sec": 1000.0 * s, "mfu": 0.001 * s} for s in range(1, 16)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records + [{"kind": "eval", "step": 15}]))
+    train = gpu_preset._train_rate(str(tmp_path))
+    assert train == {"images_per_s": 13000.0, "mfu": pytest.approx(0.013), "records": 5}  # steps 11..15
+    row = {"strategy": "ddp", "jaxdp": {"images_per_s": 20000.0}, "torch_ref": {"images_per_s": 10000.0},
+           "torch_compile": {"images_per_s": 16000.0}, "mfu_jaxdp": 0.2, "ratio_jax_over_best_torch": 0.8,
+           "best_torch": "torch.compile"}
+    md = gpu_preset.quick_markdown({"train": train, "rows": [row], "environment": {"device_kind": "NVIDIA H100"},
+                                    "pipeline": {"images_per_s": 25000.0}})
+    assert "| jaxdp train end to end | 13,000 | 65% of the step; MFU in its records 1.3% |" in md
+    assert "| torch_ref + torch.compile | 16,000 |" in md and "| jaxdp / best torch (step time) | 0.80 |" in md
