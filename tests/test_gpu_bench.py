@@ -50,3 +50,22 @@ def test_quick_summary_reads_train_records_after_the_warm_up(tmp_path):
                                     "pipeline": {"images_per_s": 25000.0}})
     assert "| jaxdp train end to end | 13,000 | 65% of the step; MFU in its records 1.3% |" in md
     assert "| torch_ref + torch.compile | 16,000 |" in md and "| jaxdp / best torch (step time) | 0.80 |" in md
+
+
+def test_the_shipped_gpu_recipe_is_goyals_linear_scaling_with_warmup():
+    """configs/resnet18-cifar10-gpu.toml, read as `jaxdp train --config` reads it: lr = 0.1 x
+    batch / 256 and a linear warmup over 2 epochs of CIFAR-10's 50,000 images at that batch."""
+    import os
+
+    from jaxdp.cli import build_parser, config_from_args, with_file_options
+    from jaxdp.config import check_config
+    from jaxdp.data.loader import steps_per_epoch
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "resnet18-cifar10-gpu.toml")
+    argv = ["train", "--config", path]
+    parser = build_parser("train")
+    cfg = config_from_args(with_file_options(parser, argv, parser.parse_args(argv)))
+    check_config(cfg)
+    assert (cfg.model, cfg.width, cfg.dataset, cfg.dtype) == ("resnet18", 64, "cifar10", "bfloat16")
+    assert cfg.lr == pytest.approx(0.1 * cfg.global_batch_size / 256)
+    assert cfg.schedule == "warmup_cosine" and cfg.warmup_steps == 2 * steps_per_epoch(50000, 1, cfg.global_batch_size)
