@@ -69,3 +69,18 @@ def test_the_shipped_gpu_recipe_is_goyals_linear_scaling_with_warmup():
     assert (cfg.model, cfg.width, cfg.dataset, cfg.dtype) == ("resnet18", 64, "cifar10", "bfloat16")
     assert cfg.lr == pytest.approx(0.1 * cfg.global_batch_size / 256)
     assert cfg.schedule == "warmup_cosine" and cfg.warmup_steps == 2 * steps_per_epoch(50000, 1, cfg.global_batch_size)
+
+
+def test_the_quick_bench_config_is_the_presets_with_the_command_lines_say():
+    import argparse
+
+    from parity_tests.bench.command import add_bench_args
+
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    args = p.parse_args(["--preset", "gpu", "--quick", "--levers", "default,autotune-0"])
+    cfg = gpu_preset.preset_config(args, global_batch=gpu_preset.QUICK_BATCH, n=(1,), bare=False)
+    assert (cfg["global_batch"], cfg["n"], cfg["bare"], cfg["width"], cfg["dtype"]) == (512, (1,), False, 64, "bfloat16")
+    assert cfg["torch_compile"] == "inductor" and cfg["levers"] == ["default", "autotune-0"]
+    args = p.parse_args(["--preset", "gpu", "--torch-compile", "aot_eager", "--no-bare"])
+    assert gpu_preset.preset_config(args)["torch_compile"] == "aot_eager" and not gpu_preset.preset_config(args)["bare"]

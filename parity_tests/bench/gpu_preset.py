@@ -93,8 +93,8 @@ def scaling_efficiency(rows: List[dict]) -> None:
 
 def preset_config(args, **over) -> dict:
     """The preset's bench config with the command line's say on bare rows, levers and torch.compile."""
-    return dict(PRESET, bare=args.bare, levers=args.levers,
-                torch_compile=args.torch_compile or PRESET["torch_compile"], **over)
+    return {**PRESET, "bare": args.bare, "levers": args.levers,
+            "torch_compile": args.torch_compile or PRESET["torch_compile"], **over}
 
 
 def train_argv(out: str) -> List[str]:
