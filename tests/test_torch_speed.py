@@ -86,3 +86,18 @@ def test_gpu_levers_are_compile_options_xla_accepts():
         options = compiler_options(name, "gpu")
         assert options == (LEVERS[name].get("compile_options") or None), name
         jax.jit(lambda x: x @ x, compiler_options=options).lower(jnp.ones((2, 2))).compile()
+
+
+def test_torch_ref_train_hands_the_compile_switch_to_the_step(tmp_path, monkeypatch):
+    """``torch_ref.train --compile aot_eager`` reaches ``step_api.build`` (the switch itself is
+    tested above); ``build`` is replaced, so no model is built."""
+    from jaxdp.cli import config_from_args
+    from torch_ref import train as torch_train
+
+    args = torch_train.build_parser().parse_args(
+        ["--width", "4", "--synthetic-size", "16,8", "--global-batch-size", "8", "--out", str(tmp_path),
+         "--compile", "aot_eager", "--tuned"])
+    built = []
+    monkeypatch.setattr(torch_train, "build", built.append)
+    torch_train._setup(config_from_args(args), {"compile": args.compile, "tuned": args.tuned})
+    assert built[0]["compile"] == "aot_eager" and built[0]["tuned"] is True and built[0]["width"] == 4
