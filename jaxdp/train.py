@@ -286,18 +286,18 @@ def _utilisation(run: _Run, batch):
     device = next(d for d in run.strategy.mesh.devices.flat if d.process_index == jax.process_index())
     peak = peak_flops(device.device_kind, run.cfg.dtype, run.cfg.peak_flops)
     return Utilisation(StepCost(compiled), device, peak, run.strategy.mesh.devices.size,
-                       _flops_per_image(run.strategy, batch) if peak else None)
+                       _flops_per_image(run.strategy) if peak else None)
 
 
-def _flops_per_image(strategy, batch):
-    """The strategy's model's training FLOPs on one example of ``batch``; None (MFU n/a) for
-    a model the count cannot trace."""
-    import jax
-
+def _flops_per_image(strategy):
+    """The strategy's model's training FLOPs on one example (the image shape every dataset
+    has, whatever form the step's batch takes); None (MFU n/a) for a model the count cannot
+    trace."""
     from jaxdp.flops import train_flops_per_image
+    from jaxdp.train_setup import example_batch
 
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), batch)
     try:
+        one = example_batch(strategy.model)
         return train_flops_per_image(strategy.init_model, *strategy.task.model_inputs(one),
                                      apply_kwargs=strategy.task.init_kwargs)
     except Exception as e:  # a custom model the abstract trace cannot follow: say so, train on
