@@ -1,13 +1,15 @@
-# Entry points: `make train` (the quickstart run), `make test` (the suite) and, on a host with
-# >= 2 NVIDIA GPUs, `make gpu-check` (parity of every strategy on every GPU + one bench row,
-# report in runs/gpu-check/). Each creates .venv and installs the project into it on first use.
+# Entry points: `make train` (the quickstart run), `make test` (the suite), on a host with
+# >= 2 NVIDIA GPUs `make gpu-check` (parity of every strategy on every GPU + one bench row,
+# report in runs/gpu-check/), and on any NVIDIA host `make gpu-bench` (<= 5 minutes of GPU
+# time). Each creates .venv and installs the project into it on first use (gpu-bench: only
+# where jax and torch do not import already).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICKSTART_ARGS := --strategy ddp --model resnet18 --width 8 --devices 2 --global-batch-size 128 \
 	--epochs 2 --synthetic-size 5000,1000 --lr 0.2 --out runs/quickstart --overwrite
 
-.PHONY: train test install install-gpu gpu-check clean
+.PHONY: train test install install-gpu gpu-check gpu-bench clean
 
 install: $(VENV)/.installed
 
@@ -42,6 +44,17 @@ GPU_CHECK_ARGS ?=
 gpu-check: install-gpu
 	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
 		$(BIN)/python -m parity_tests.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
+
+# The <= 5 minute GPU bench (jaxdp bench --preset gpu --quick; report in runs/gpu-bench/). It uses
+# $(PYTHON) as it is when jax, torch and jaxdp import there (a stock GPU image after
+# `pip install --no-deps -e .`: no network, nothing installed), else the .venv with the GPU extras.
+# Extra options: make gpu-bench GPU_BENCH_ARGS="--dry-run" (or --levers default,autotune-0, ...).
+GPU_BENCH_ARGS ?=
+gpu-bench:
+	@if $(PYTHON) -c "import jax, torch, jaxdp" 2>/dev/null; then py=$(PYTHON); \
+	else $(MAKE) install-gpu && py=$(BIN)/python; fi; \
+	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
+		$$py -m jaxdp.cli bench --preset gpu --quick --out runs/gpu-bench $(GPU_BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,9 +1,12 @@
 """How fast and how big a run is: model FLOPs utilisation, per-device memory, a profiler
 trace of chosen steps, the persistent compilation cache, and the time to the first step.
 
-MFU = the compiled step's FLOPs per device (XLA's ``cost_analysis``: the per-device
-program, so it already counts recomputation and the collectives' arithmetic) / the step
-time (the moving median of ``jaxdp.progress.Throughput``) / the device's peak FLOP/s.
+MFU = images/s (the moving median of ``jaxdp.progress.Throughput``) x the model's FLOPs per
+trained image (``jaxdp.flops``: the forward's convolutions and matmuls, x 3) / (devices x the
+device's peak FLOP/s); ``jaxdp bench`` computes its MFU with the same ``jaxdp.flops.mfu``.
+Not the compiled step's ``cost_analysis()``: on a GPU it counts the cuDNN/cuBLAS custom calls
+that do the work as 0 FLOPs.
+
 The peak is ``--peak-flops`` if given; else, for ``--dtype bfloat16`` on a GPU named in
 ``PEAK_FLOPS``, its dense bf16 tensor-core peak from the vendor's data sheet; else MFU is
 not reported ("n/a"): a CPU has no peak worth quoting, and a float32 step's peak depends
@@ -17,26 +20,26 @@ donated buffers), which is what XLA:CPU reports.
 import os
 from typing import Optional
 
-# Dense (no sparsity) bf16 peak per device, FLOP/s, by a substring of jax's device_kind; the
-# first match wins (so "H100 PCIe" before "H100", which is the SXM part).
-PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+# The one table of device peaks (train and bench): dense (no sparsity) bf16 tensor-core
+# FLOP/s per device, by a substring of jax's or torch's device name, case-insensitive; the
+# first match wins (so "H100 PCIe" before "H100", the SXM part; "L40S" before "L4"; "GH200"
+# matches "H200").
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
+              ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12))
 
 
-def peak_flops(device_kind: str, dtype: str, given: Optional[float]) -> Optional[float]:
+def peak_flops(device_kind: str, dtype: str, given: Optional[float] = None) -> Optional[float]:
     if given:
         return given
     if dtype != "bfloat16":
         return None
-    return next((peak for name, peak in PEAK_FLOPS if name in device_kind), None)
+    return next((peak for name, peak in PEAK_FLOPS if name.lower() in device_kind.lower()), None)
 
 
 class StepCost:
-    """FLOPs and memory of one compiled training step, per device."""
+    """The memory of one compiled training step, per device."""
 
     def __init__(self, compiled):
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
-        self.flops = float((cost or {}).get("flops", 0.0)) or None
         mem = compiled.memory_analysis()
         self.compiled_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                                - mem.alias_size_in_bytes) if mem is not None else None
@@ -51,23 +54,25 @@ def device_peak_bytes(device) -> Optional[int]:
 class Utilisation:
     """The MFU and memory fields of each train record."""
 
-    def __init__(self, cost: Optional[StepCost], device, peak: Optional[float], images_per_step: int):
-        self.cost, self.device, self.peak, self.images_per_step = cost, device, peak, images_per_step
+    def __init__(self, cost: Optional[StepCost], device, peak: Optional[float], devices: int,
+                 flops_per_image: Optional[float]):
+        self.cost, self.device, self.peak = cost, device, peak
+        self.devices, self.flops_per_image = devices, flops_per_image
 
     def fields(self, images_per_sec: Optional[float]) -> dict:
+        from jaxdp.flops import mfu
+
         memory = device_peak_bytes(self.device)
         if memory is None and self.cost is not None:
             memory = self.cost.compiled_bytes
-        mfu = None
-        if self.peak and images_per_sec and self.cost is not None and self.cost.flops:
-            step_seconds = self.images_per_step / images_per_sec
-            mfu = self.cost.flops / step_seconds / self.peak
-        return {"mfu": mfu, "memory_mb": None if memory is None else memory / 2**20}
+        return {"mfu": mfu(images_per_sec, self.flops_per_image, self.devices, self.peak),
+                "memory_mb": None if memory is None else memory / 2**20}
 
     def describe(self) -> str:
-        flops = f"{self.cost.flops / 1e9:.3g} GFLOP" if self.cost and self.cost.flops else "? FLOP"
-        peak = f"peak {self.peak / 1e12:.4g} TFLOP/s" if self.peak else "MFU n/a (pass --peak-flops FLOP/s per device)"
-        return f"compiled step: {flops} per device; {peak}"
+        if not self.peak:
+            return "MFU n/a (pass --peak-flops FLOP/s per device)"
+        flops = f"{self.flops_per_image / 1e9:.3g} GFLOP" if self.flops_per_image else "? FLOP"
+        return f"model: {flops} per trained image; peak {self.peak / 1e12:.4g} TFLOP/s per device"
 
 
 class ProfileWindow:

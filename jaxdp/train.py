@@ -274,7 +274,8 @@ class _PendingRecords:
 
 
 def _utilisation(run: _Run, batch):
-    """Compile the first step ahead of time (``jit`` reuses the program) for its FLOPs and memory."""
+    """Compile the first step ahead of time (``jit`` reuses the program) for its memory; the
+    model's FLOPs per image (``jaxdp.flops``) for MFU, counted only where there is a peak."""
     import jax
 
     from jaxdp.distributed import barrier
@@ -284,7 +285,24 @@ def _utilisation(run: _Run, batch):
     barrier("step compiled")  # see distributed.barrier: the first step's collectives find everyone
     device = next(d for d in run.strategy.mesh.devices.flat if d.process_index == jax.process_index())
     peak = peak_flops(device.device_kind, run.cfg.dtype, run.cfg.peak_flops)
-    return Utilisation(StepCost(compiled), device, peak, run.cfg.global_batch_size)
+    return Utilisation(StepCost(compiled), device, peak, run.strategy.mesh.devices.size,
+                       _flops_per_image(run.strategy) if peak else None)
+
+
+def _flops_per_image(strategy):
+    """The strategy's model's training FLOPs on one example (the image shape every dataset
+    has, whatever form the step's batch takes); None (MFU n/a) for a model the count cannot
+    trace."""
+    from jaxdp.flops import train_flops_per_image
+    from jaxdp.train_setup import example_batch
+
+    try:
+        one = example_batch(strategy.model)
+        return train_flops_per_image(strategy.init_model, *strategy.task.model_inputs(one),
+                                     apply_kwargs=strategy.task.init_kwargs)
+    except Exception as e:  # a custom model the abstract trace cannot follow: say so, train on
+        say(f"MFU n/a: the model's FLOPs could not be counted ({type(e).__name__}: {e})")
+        return None
 
 
 def _report(pending, records: _PendingRecords) -> None:

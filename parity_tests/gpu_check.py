@@ -50,9 +50,10 @@ SETTINGS = {
 }
 OPTIMIZER = ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--nesterov", "--weight-decay", "5e-4"]
 BENCH = {
-    "gpu": dict(model="resnet18", width=16, blocks=None, per_device_batch=32, dtype="bfloat16", steps=10, warmup=2),
+    "gpu": dict(model="resnet18", width=16, blocks=None, per_device_batch=32, dtype="bfloat16", steps=10, warmup=2,
+                torch_compile="inductor"),
     "simulate": dict(model="resnet18", width=4, blocks=(1, 1, 1, 1), per_device_batch=2, dtype="float32",
-                     steps=2, warmup=1),
+                     steps=2, warmup=1, torch_compile=None),
 }
 BENCH_STRATEGY = "ddp"
 
@@ -145,11 +146,13 @@ def make_plan(mode: str, n: int, backend: str, dtypes: Sequence[str], strategies
         b = BENCH[mode]
         cfg = {"model": b["model"], "width": b["width"], "blocks": b["blocks"],
                "global_batch": b["per_device_batch"] * n, "dtype": b["dtype"], "optimizer": "sgd",
-               "steps": b["steps"], "warmup": b["warmup"], "n": [n], "torch_backend": backend}
+               "steps": b["steps"], "warmup": b["warmup"], "n": [n], "torch_backend": backend,
+               "torch_compile": b["torch_compile"]}
         args = ["--strategies", BENCH_STRATEGY, "--devices", str(n), "--model", b["model"], "--width", str(b["width"]),
                 *(["--blocks", ",".join(map(str, b["blocks"]))] if b["blocks"] else []),
                 "--global-batch-size", str(cfg["global_batch"]), "--dtype", b["dtype"], "--steps", str(b["steps"]),
-                "--warmup", str(b["warmup"]), "--out", os.path.join(out, "bench"), "--tag", "bench"]
+                "--warmup", str(b["warmup"]), *(["--torch-compile", b["torch_compile"]] if b["torch_compile"] else []),
+                "--out", os.path.join(out, "bench"), "--tag", "bench"]
         bench_plan = {"strategy": BENCH_STRATEGY, "n": n, "config": cfg, "status": "PLANNED",
                       "command": f"JAXDP_TORCH_BACKEND={backend} jaxdp bench " + shlex.join(args)}
     return CheckPlan(mode, dry_run, n, backend, list(dtypes), list(strategies), out, list(notes), pairs, bench_plan)
@@ -251,6 +254,8 @@ def run_bench_row(plan: CheckPlan) -> None:
         b.update(jaxdp_step_s=j.get("median_step_s"), torch_step_s=t.get("median_step_s"),
                  jaxdp_images_per_s=j.get("images_per_s"), torch_images_per_s=t.get("images_per_s"),
                  ratio_jax_over_torch=row.get("ratio_jax_over_torch"), torch_backend=t.get("backend"),
+                torch_compile_step_s=(row.get("torch_compile") or {}).get("median_step_s"),
+                ratio_jax_over_best_torch=row.get("ratio_jax_over_best_torch"),
                  device_kind=result["environment"].get("device_kind"), report=os.path.join(out, "bench.json"))
         errors = [f"{fw}: {r['error'].splitlines()[0][:300]}" for fw, r in (("jaxdp", j), ("torch_ref", t))
                   if r.get("error")]

@@ -31,6 +31,11 @@ use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:
   initial Q}, shapes from ``strategies.powersgd_shapes``), ``powersgd_seed``
 - hsdp: ``mesh_shape`` (replicas, shards); dp: ``devices`` (GPUs for nn.DataParallel)
 - ``allreduce``, ``staleness``: jaxdp's own; no torch strategy takes them (defaults only)
+- speed, for ``jaxdp bench`` only (parity keeps the defaults, its deterministic settings):
+  ``tuned`` (on CUDA: the model and its inputs in ``channels_last``, and
+  ``cudnn.benchmark``, which times cuDNN's kernels and keeps the fastest; nothing on a
+  CPU) and ``compile`` (a ``torch.compile`` backend for the wrapped model: "inductor", or
+  "aot_eager" / "eager" to test the path cheaply; None: eager)
 
 What is returned, all numpy, by torch name:
 
@@ -64,7 +69,9 @@ from torch_ref.strategies import StrategyError
 
 # torch_ref's own keys: PowerSGD's shared initial Q and seed, nn.DataParallel's GPU count.
 _TORCH_OWN = {"powersgd_q": None, "powersgd_seed": 0, "devices": None}
-DEFAULTS: Dict[str, Any] = {**dataclasses.asdict(StepConfig()), **_TORCH_OWN}
+# The bench's speed settings (see the module docstring); no strategy option.
+_SPEED = {"tuned": False, "compile": None}
+DEFAULTS: Dict[str, Any] = {**dataclasses.asdict(StepConfig()), **_TORCH_OWN, **_SPEED}
 ALIASES = {"comm_hook": "compress"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
@@ -114,10 +121,11 @@ def load_init_state(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> No
 
 
 def to_torch_batch(images_nhwc: np.ndarray, labels: np.ndarray, device: torch.device,
-                   dtype: torch.dtype):
-    """NHWC numpy (the shared pipeline's layout) -> contiguous NCHW tensor, int64 labels."""
+                   dtype: torch.dtype, memory_format: torch.memory_format = torch.contiguous_format):
+    """NHWC numpy (the shared pipeline's layout) -> NCHW tensor (contiguous, or
+    ``channels_last``), int64 labels."""
     x = torch.from_numpy(np.ascontiguousarray(images_nhwc)).permute(0, 3, 1, 2)
-    x = x.to(device=device, dtype=dtype).contiguous()
+    x = x.to(device=device, dtype=dtype).contiguous(memory_format=memory_format)
     y = torch.from_numpy(np.asarray(labels)).to(device=device, dtype=torch.int64)
     return x, y
 
@@ -138,6 +146,7 @@ class Runner:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dtype = DTYPES[cfg["dtype"]]
+        self.memory_format = memory_format(cfg, parallel.device)
         self.steps = 0
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor):
@@ -176,7 +185,7 @@ class Runner:
         """One update on this rank's batch; the comparison record on rank 0, None elsewhere.
         ``collect=False`` returns only the losses, accuracy and lr (no gathers)."""
         par = self.parallel
-        x, y = to_torch_batch(images_nhwc, labels, par.device, self.dtype)
+        x, y = to_torch_batch(images_nhwc, labels, par.device, self.dtype, self.memory_format)
         loss, correct, lr = self.forward_backward(x, y)
         # Copied before the update: clip_grad_norm_ scales DDP's .grad in place.
         grads = {n: _numpy(g) for n, g in strategies.full_grads(par).items()} if collect else None
@@ -225,6 +234,11 @@ def gathered_comm_state(hook) -> Optional[Dict[str, Dict[str, np.ndarray]]]:
     return out
 
 
+def memory_format(cfg: Mapping[str, Any], device: torch.device) -> torch.memory_format:
+    """``channels_last`` for a tuned run on CUDA (cuDNN's fast NHWC kernels), else NCHW."""
+    return torch.channels_last if cfg["tuned"] and device.type == "cuda" else torch.contiguous_format
+
+
 def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]] = None) -> Runner:
     """A Runner for ``config`` (see the module docstring), starting from ``init_state_dict``
     ({torch name: numpy array}; None: torch's init under ``torch.manual_seed(seed)``).
@@ -238,12 +252,17 @@ def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]
                              **{k: cfg[k] for k in _MODEL_KEYS})
     except ValueError as e:  # unknown model or stem, bad width or blocks: say which
         raise StrategyError(str(e)) from None
-    model = model.to(device=device, dtype=DTYPES[cfg["dtype"]])
+    model = model.to(device=device, dtype=DTYPES[cfg["dtype"]], memory_format=memory_format(cfg, device))
     if init_state_dict is not None:
         load_init_state(model, init_state_dict)
+    if cfg["tuned"] and device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # the bench's tuned torch only: parity never sets tuned
     parallel = strategies.wrap(cfg["strategy"], model, device=device, sync_bn=cfg["sync_bn"],
                                mixed_precision=cfg["dtype"] == "bfloat16",
                                **options)
+    if cfg["compile"]:
+        # The wrapped model (DDP's optimizer splits the graph at its buckets); optimizer eager.
+        parallel.model = torch.compile(parallel.model, backend=cfg["compile"])
     optimizer = strategies.make_optimizer(
         parallel, cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"], nesterov=cfg["nesterov"],
         weight_decay=cfg["weight_decay"], betas=cfg["betas"], eps=cfg["eps"])

@@ -89,7 +89,7 @@ def data_layout(cfg: TrainConfig):
     return world, [rank]
 
 
-def _setup(cfg: TrainConfig):
+def _setup(cfg: TrainConfig, speed: Optional[dict] = None):
     """As ``jaxdp.train_setup.build``: everything that can be refused is, before the dataset
     loads and before anything is written."""
     from jaxdp.data import load_dataset
@@ -107,7 +107,7 @@ def _setup(cfg: TrainConfig):
     _check_model(cfg, replicas)
     train_set, test_set = load_dataset(cfg.dataset, cfg.data_dir, cfg.download, tuple(cfg.synthetic_size), cfg.seed)
     steps = epoch_length(len(train_set), replicas, per_device)
-    runner = build(runner_config(cfg, steps))  # torch init under manual_seed(seed)
+    runner = build({**runner_config(cfg, steps), **(speed or {})})  # torch init under manual_seed(seed)
     return runner, train_set, test_set, replicas, rows, per_device, steps
 
 
@@ -172,9 +172,10 @@ def evaluate(runner: Runner, test_set, replicas: int, rows, per_device: int) -> 
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
+def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, speed: Optional[dict] = None) -> dict:
     """Train ``cfg`` in the current process group (world 1 if none is initialised);
     returns a summary. ``stop_after_steps`` simulates an interruption: checkpoint, return.
+    ``speed``: ``step_api``'s speed settings (``{"compile": "inductor"}``, ``{"tuned": True}``).
     Ctrl-C and SIGTERM in a world of one: as ``jaxdp.train.train`` (see ``jaxdp.interrupts``)."""
 
     from jaxdp.data import Prefetcher, epoch_batches
@@ -187,7 +188,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None) -> dict:
     # Under torchrun the ranks stop at different points, and a gathering save could wait forever.
     interrupt = DeferredInterrupt("torch_ref") if tdist.world_size() == 1 else _NoInterrupts()
     with interrupt:
-        runner, train_set, test_set, replicas, rows, per_device, steps_per_epoch = _setup(cfg)
+        runner, train_set, test_set, replicas, rows, per_device, steps_per_epoch = _setup(cfg, speed)
         is_main = tdist.rank() == 0
         if earlier_run and is_main:  # --overwrite, and the new run is valid: only now delete the old one
             remove_run_files(cfg.out)
@@ -335,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Launch N ranks with: torchrun --nproc_per_node N -m torch_ref.train ...")
     add_train_args(parser)
     add_backend_arg(parser)
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="torch.compile the wrapped model with this backend (inductor; default: eager)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="on CUDA: channels_last model and inputs, cudnn.benchmark (fastest, not deterministic)")
     return parser
 
 
@@ -359,7 +364,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         tdist.init(backend=args.backend)
         is_main = tdist.rank() == 0
-        summary = train(cfg)
+        summary = train(cfg, speed={"compile": args.compile, "tuned": args.tuned})
     except _user_errors() as e:
         if is_main:
             print(f"torch_ref: error: {e}", file=sys.stderr)

@@ -177,6 +177,8 @@ class Strategy:
         # Parity checks compare the averaged gradients too; off in training (it costs memory).
         self.return_grads = return_grads
         self.log_grad_norm = log_grad_norm  # the trainer logs it; off by default (one more collective)
+        # The step donates the state's buffers (updated in place); the bench turns it off to measure it.
+        self.donate = True
         # XLA compile options of the step: None = the platform's default, "none" = XLA's own
         # (jaxdp.compile_options); refused here, in one line, if written wrong.
         try:
@@ -584,7 +586,7 @@ class Strategy:
             self._jit_step = jax.jit(
                 self._shard_mapped(self._in_step_context(local), state, P(self.batch_axes), (specs, P()),
                                    self.check_vma),
-                donate_argnums=0, compiler_options=self.compiler_options)
+                donate_argnums=0 if self.donate else (), compiler_options=self.compiler_options)
         return self._jit_step
 
     def _in_step_context(self, local):

@@ -40,14 +40,15 @@ record carries its environment: device kind, versions, those flags, CPU affinity
 the load average before and after the row.
 
 GPU (CUDA host): the same command runs jaxdp on the GPUs and torch_ref on NCCL (rank r on
-``cuda:r``), default
-dtype bfloat16, and adds MFU = images/s x FLOP per image / (N x peak), with FLOP per
-trained image from ResNet-18 CIFAR (3.33 GFLOP at width 64, scaled by (width/64)^2) and
-the peak from ``PEAK_TFLOPS`` by device name. This path has not been run on a GPU yet.
+``cuda:r``), default dtype bfloat16, torch_ref tuned (channels_last, cudnn.benchmark) and,
+with ``--torch-compile``, also under ``torch.compile``; it adds MFU = images/s x the model's
+FLOPs per trained image / (N x peak) (``jaxdp.flops.mfu``, as train's records; the peak
+from ``jaxdp.perf.PEAK_FLOPS``). ``--levers`` gives jaxdp a row per XLA/step lever
+(``levers``); ``--preset gpu`` (``gpu_preset``) sizes it all for a GPU host.
 
 The modules: ``command`` (``jaxdp bench``, registered with ``jaxdp`` by entry point; the
 [torch] extra), ``runner`` (the rows, the environment), ``jax_side``, ``torch_side``,
-``report`` (Markdown and PNG).
+``bare``, ``levers``, ``gpu_preset``, ``report`` (Markdown and PNG).
 
 Nothing here imports jax or torch at module level: the simulated device count and XLA
 flags must be set before jax starts, and torch ranks import ``torch_side`` to run.

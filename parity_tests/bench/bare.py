@@ -19,18 +19,25 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
-from parity_tests.bench import cuda_host
+from parity_tests.bench import cuda_host, levers
 from parity_tests.bench.jax_side import cores_for
 
 
-def bench_bare(cfg: dict, images: np.ndarray, labels: np.ndarray, *, with_torch: bool, timeout_s: float) -> dict:
-    """Both bare steps on one device's batch; a failure is recorded, as a strategy row's is."""
-    runs = {"jax": lambda: bare_jax(cfg, images, labels)}
+def bench_bare(cfg: dict, images: np.ndarray, labels: np.ndarray, *, with_torch: bool, timeout_s: float,
+               compile_backend: Optional[str] = None, lever: Optional[str] = None) -> dict:
+    """Both bare steps on one device's batch (and the torch step under ``torch.compile`` with
+    ``compile_backend``, if given; the jax step under ``lever``); a failure is recorded, as a
+    strategy row's is."""
+    runs = {"jax": lambda: bare_jax(cfg, images, labels, lever)}
     if with_torch:
         runs["torch"] = lambda: bare_torch(cfg, images, labels, timeout_s)
+    if with_torch and compile_backend:
+        runs["torch_compile"] = lambda: bare_torch(dict(cfg, warmup=max(cfg["warmup"], 1)), images, labels, timeout_s,
+                                                   compile_backend)
     rec = {"batch_per_device": int(len(images))}
     for fw, run in runs.items():
         try:
@@ -44,7 +51,7 @@ def bench_bare(cfg: dict, images: np.ndarray, labels: np.ndarray, *, with_torch:
 def add_overheads(row: dict, bare: dict) -> None:
     """``overhead_jaxdp`` = jaxdp's step / the bare jax step at the row's per-device batch;
     ``overhead_torch_ref`` likewise against the bare torch step."""
-    for fw, base in (("jaxdp", "jax"), ("torch_ref", "torch")):
+    for fw, base in (("jaxdp", "jax"), ("torch_ref", "torch"), ("torch_compile", "torch_compile")):
         step, alone = (row.get(fw) or {}).get("median_step_s"), (bare.get(base) or {}).get("median_step_s")
         if step and alone:
             row[f"overhead_{fw}"] = step / alone
@@ -54,31 +61,33 @@ def bare_markdown(result: dict) -> str:
     """The bare steps per N, and each strategy's step over them."""
     if not result.get("bare"):
         return ""
-    lines = ["", "Bare steps (no jaxdp, no DDP: one `jax.jit(value_and_grad)` step; one eager torch step), "
-                 "one core, at each N's per-device batch; overhead = strategy step / bare step:", "",
-             "| strategy | N | batch/device | bare jax s | bare torch s | jaxdp / bare jax | torch_ref / bare torch |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["", "Bare steps (no jaxdp, no DDP: one `jax.jit(value_and_grad)` step; one torch step, eager and "
+                 "under torch.compile where timed), one core, at each N's per-device batch; overhead = strategy "
+                 "step / bare step:", "",
+             "| strategy | N | batch/device | bare jax s | bare torch s | jaxdp / bare jax | torch_ref / bare torch "
+             "| bare torch.compile s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        bare = result["bare"].get(str(r["n"]), {})
+        bare = result["bare"].get(r.get("bare_key", str(r["n"])), {})
         cells = [(bare.get(fw) or {}).get("median_step_s") for fw in ("jax", "torch")]
-        cells += [r.get("overhead_jaxdp"), r.get("overhead_torch_ref")]
+        cells += [r.get("overhead_jaxdp"), r.get("overhead_torch_ref"), (bare.get("torch_compile") or {}).get("median_step_s")]
         lines.append(f"| {r['strategy']} | {r['n']} | {bare.get('batch_per_device', '-')} | "
-                     + " | ".join("-" if x is None else f"{x:.4f}" if i < 2 else f"{x:.2f}" for i, x in enumerate(cells))
+                     + " | ".join("-" if x is None else f"{x:.2f}" if i in (2, 3) else f"{x:.4f}" for i, x in enumerate(cells))
                      + " |")
     return "\n".join(lines)
 
 
-def bare_jax(cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
+def bare_jax(cfg: dict, images: np.ndarray, labels: np.ndarray, lever: Optional[str] = None) -> dict:
     """Median-ready step times of the plain jitted step on ``images`` (one device's batch)."""
     with cores_for(1):
-        return _bare_jax(cfg, images, labels)
+        return _bare_jax(cfg, images, labels, lever)
 
 
-def _bare_jax(cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
+def _bare_jax(cfg: dict, images: np.ndarray, labels: np.ndarray, lever: Optional[str]) -> dict:
     import jax
 
     t0 = time.perf_counter()
-    run, state, batch = bare_jax_step(cfg, images, labels)
+    run, state, batch = bare_jax_step(cfg, images, labels, lever)
     compile_s = time.perf_counter() - t0
     times = []
     for i in range(cfg["warmup"] + cfg["steps"]):
@@ -90,12 +99,12 @@ def _bare_jax(cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
     return {"framework": "bare jax", "compile_s": compile_s, "step_times_s": times, "loss": float(loss)}
 
 
-def bare_jax_step(cfg: dict, images: np.ndarray, labels: np.ndarray):
-    """The compiled bare step, its state and batch: ``run(*state, *batch) -> (*state, loss)``."""
+def bare_jax_step(cfg: dict, images: np.ndarray, labels: np.ndarray, lever: Optional[str] = None):
+    """The compiled bare step, its state and batch: ``run(*state, *batch) -> (*state, loss)``;
+    compiled under ``lever`` (``levers.LEVERS``; None: the strategies' defaults)."""
     import jax
     import optax
 
-    from jaxdp import compile_options
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
 
@@ -118,20 +127,23 @@ def bare_jax_step(cfg: dict, images: np.ndarray, labels: np.ndarray):
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
     state = (params, batch_stats, opt_state)
-    # The strategies' compile options (jaxdp.compile_options' default for the platform), so that
-    # the overhead column compares code, not kernels.
-    options = compile_options.resolve(None, jax.devices()[0].platform)
-    run = jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=options).lower(*state, x, y).compile()
+    # The strategies' compile options (jaxdp.compile_options' default for the platform) and the
+    # row's lever, so that the overhead column compares code, not kernels.
+    options = levers.compiler_options(lever, jax.devices()[0].platform)
+    donate = (0, 1, 2) if levers.donates(lever) else ()
+    run = jax.jit(step, donate_argnums=donate, compiler_options=options).lower(*state, x, y).compile()
     return run, state, (x, y)
 
 
-def bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float) -> dict:
-    """The eager torch step's times, from a fresh process (forkserver, as the bench's ranks)."""
+def bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float,
+               compile_backend: Optional[str] = None) -> dict:
+    """The torch step's times (eager, or ``torch.compile`` with ``compile_backend``), from a
+    fresh process (forkserver, as the bench's ranks)."""
     from torch_ref import launcher
 
     ctx = launcher._context()
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_bare_torch_worker, args=(send, cfg, images, labels), daemon=True)
+    proc = ctx.Process(target=_bare_torch_worker, args=(send, cfg, images, labels, compile_backend), daemon=True)
     proc.start()
     send.close()
     try:
@@ -147,11 +159,11 @@ def bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: flo
     return result
 
 
-def _bare_torch_worker(send, cfg: dict, images: np.ndarray, labels: np.ndarray) -> None:
+def _bare_torch_worker(send, cfg: dict, images: np.ndarray, labels: np.ndarray, compile_backend) -> None:
     import traceback
 
     try:
-        send.send(_bare_torch(cfg, images, labels))
+        send.send(_bare_torch(cfg, images, labels, compile_backend))
     except BaseException:
         send.send({"error": traceback.format_exc()[-2000:]})
     finally:
@@ -159,19 +171,27 @@ def _bare_torch_worker(send, cfg: dict, images: np.ndarray, labels: np.ndarray) 
         os._exit(0)
 
 
-def _bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
+def _bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray, compile_backend: Optional[str] = None) -> dict:
     import torch
     import torch.nn.functional as F
 
     from torch_ref.models import create_model
+    from torch_ref.step_api import memory_format
     from torch_ref.strategies import optimizer_for
 
     torch.set_num_threads(1)
     device = torch.device("cuda" if cuda_host() and torch.cuda.is_available() else "cpu")
+    # torch at its fastest, as the strategy rows' torch (step_api's tuned): channels_last and
+    # cudnn.benchmark on CUDA, nothing on a CPU.
+    layout = memory_format({"tuned": True}, device)
+    torch.backends.cudnn.benchmark = device.type == "cuda"
     dtype = torch.float64 if cfg["dtype"] == "float64" else torch.float32  # bfloat16: autocast, f32 weights
-    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], **cfg.get("vit", {})).to(device, dtype)
+    net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], **cfg.get("vit", {}))
+    net = net.to(device, dtype, memory_format=layout)
     opt = optimizer_for(list(net.parameters()), cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
-    x = torch.from_numpy(np.ascontiguousarray(np.asarray(images).transpose(0, 3, 1, 2))).to(device, dtype)
+    model = torch.compile(net, backend=compile_backend) if compile_backend else net
+    x = torch.from_numpy(np.ascontiguousarray(np.asarray(images).transpose(0, 3, 1, 2)))
+    x = x.to(device, dtype).contiguous(memory_format=layout)
     y = torch.from_numpy(np.asarray(labels, np.int64)).to(device)
     bf16 = cfg["dtype"] == "bfloat16"
     times = []
@@ -181,11 +201,13 @@ def _bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray) -> dict:
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = F.cross_entropy(net(x).float(), y)
+            loss = F.cross_entropy(model(x).float(), y)
         loss.backward()
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= cfg["warmup"]:
             times.append(time.perf_counter() - t)
-    return {"framework": "bare torch", "step_times_s": times, "loss": float(loss.detach()), "threads": torch.get_num_threads()}
+    return {"framework": "bare torch" + (f" + torch.compile({compile_backend})" if compile_backend else ""),
+            "step_times_s": times, "loss": float(loss.detach()), "threads": torch.get_num_threads(),
+            "memory_format": str(layout)}

@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 from jaxdp.commands import Command
 from jaxdp.flags import VIT_SIZES, comma_ints
 from parity_tests.bench import cuda_host
 from parity_tests.bench.bare import bare_markdown
+from parity_tests.bench.gpu_preset import quick_markdown
 from parity_tests.bench.jax_side import prepare_jax
 from parity_tests.bench.layouts import layout_markdown, run_layouts
+from parity_tests.bench.levers import LEVERS, levers
 from parity_tests.bench.report import HEADER, markdown, plots
 from parity_tests.bench.runner import run_bench
 from parity_tests.bench.variants import add_variant_args, axes_from
@@ -47,19 +50,28 @@ def add_bench_args(p) -> None:
                    help="layouts instead of --devices, e.g. --mesh data=4 data=2,model=2: one jaxdp row per "
                         "strategy and mesh, with traffic per mesh axis (parity_tests.bench.layouts)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="jaxdp only")
+    p.add_argument("--torch-compile", dest="torch_compile", default=None, metavar="BACKEND",
+                   help="also time torch_ref's step under torch.compile with this backend (inductor; aot_eager "
+                        "or eager to test the path); the jax/best torch ratio takes the faster of eager and "
+                        "compiled (default: eager only; --preset gpu: inductor)")
+    p.add_argument("--levers", type=levers, default=None,
+                   help=f"jaxdp rows per XLA/step lever, e.g. default,autotune-0 ({', '.join(LEVERS)}; "
+                        "parity_tests/bench/levers.py); torch_ref is timed on the first lever's rows")
     p.add_argument("--no-bare", dest="bare", action="store_false",
                    help="skip the bare rows (plain jitted / eager torch step at each N's per-device batch)")
     add_variant_args(p)
     p.add_argument("--pipeline-images", type=int, default=4096, help="images in the input-pipeline measurement")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny settings: width {QUICK['width']}, blocks 1,1,1,1, batch {QUICK['global_batch']}, "
-                        f"N {','.join(map(str, QUICK['n']))}, {QUICK['steps']} steps")
+                        f"N {','.join(map(str, QUICK['n']))}, {QUICK['steps']} steps; with --preset gpu: the <= 5 "
+                        "minute GPU bench (make gpu-bench): one GPU, batch 512, ddp, jaxdp train end to end, torch "
+                        "eager and compiled, MFU, host pipeline")
     p.add_argument("--out", default="benchmarks/results", help="folder for bench.json, bench.md and the PNGs")
     p.add_argument("--tag", default="bench", help="file name stem of the outputs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per torch launch")
     p.add_argument("--preset", default=None, metavar="{gpu}",
-                   help="gpu: ResNet-18 bf16 at 256 and 512 per device, every strategy, N = 1 and every GPU "
-                        "(parity_tests/bench/gpu_preset.py)")
+                   help="gpu: ResNet-18 bf16 at 256 and 512 per device, every strategy, N = 1 and every GPU, torch "
+                        "eager and torch.compile (parity_tests/bench/gpu_preset.py)")
     p.add_argument("--dry-run", action="store_true", help="with --preset: print the rows it would run, run none")
 
 
@@ -84,6 +96,8 @@ def _resolve(args) -> dict:
         "vit": {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None},
         "bare": args.bare,
         "variants": axes_from(args),
+        "torch_compile": args.torch_compile,
+        "levers": args.levers,
     }
 
 
@@ -117,15 +131,25 @@ def run(args) -> int:
 def write(result: dict, args) -> None:
     """bench.json, bench.md and the PNG under ``--out``; the Markdown printed too."""
     os.makedirs(args.out, exist_ok=True)
-    md = markdown(result) + bare_markdown(result)
+    md = markdown(result) + bare_markdown(result) + quick_markdown(result)
     with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
         f.write(md + "\n")
-    paths = plots(result, args.out, args.tag)
+    paths = plots(result, args.out, args.tag) if _have_matplotlib() else []
     print()
     print(md)
-    print(f"\nwrote {os.path.join(args.out, args.tag)}.json, .md, {', '.join(paths)}")
+    print(f"\nwrote {os.path.join(args.out, args.tag)}.json, .md{''.join(', ' + p for p in paths)}")
+
+
+def _have_matplotlib() -> bool:
+    """A stock GPU image may lack matplotlib: the JSON and Markdown are the results, the PNG a view."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("jaxdp bench: no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return False
+    return True
 
 
 def run_meshes(args, cfg) -> int:
@@ -149,4 +173,4 @@ def run_meshes(args, cfg) -> int:
 
 
 BENCH = Command("jaxdp vs torch_ref: step time, images/s, memory and traffic per strategy and N", add_bench_args, run,
-                requires=("torch", "matplotlib"))
+                requires=("torch",))

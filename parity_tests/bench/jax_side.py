@@ -6,10 +6,11 @@ import contextlib
 import os
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
-from parity_tests.bench import cuda_host, hsdp_mesh_shape
+from parity_tests.bench import cuda_host, hsdp_mesh_shape, levers
 
 XLA_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
@@ -55,17 +56,18 @@ def _set_affinity(threads, cores) -> None:
 
 
 def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, options=None,
-              mesh=None) -> dict:
+              mesh=None, lever: Optional[str] = None) -> dict:
     """One row's jaxdp record on N devices, or on the named ``mesh`` ({"data": 2, "model": 2}: N = its
-    product); ``options``: the strategy's own, for this row (``variants.py``)."""
+    product); ``options``: the strategy's own, for this row (``variants.py``); ``lever``: the
+    row's ``levers.LEVERS`` entry (None: default)."""
     with cores_for(n):
-        rec = _bench_jax(name, n, cfg, images, labels, options or {}, mesh)
+        rec = _bench_jax(name, n, cfg, images, labels, options or {}, mesh, lever)
     rec["cores"] = n if not cuda_host() else None
     return rec
 
 
 def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, options: dict,
-               mesh=None) -> dict:
+               mesh=None, lever=None) -> dict:
     import jax
 
     from jaxdp import analysis as ins
@@ -80,10 +82,12 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     options = dict(options, **({"mesh_shape": hsdp_mesh_shape(name, n)} if name == "hsdp" else {}))
     # zero3/hsdp shard per FSDP unit (the ResNet's blocks), as torch_ref's fully_shard does.
     devices = make_mesh(**mesh) if mesh else make_mesh(n)
-    strategy = create_strategy(name, net, classifier(net), tx, devices, **ins.fsdp_options(name, net, options))
+    strategy = create_strategy(name, net, classifier(net), tx, devices, **ins.fsdp_options(name, net, options),
+                               compiler_options=levers.compiler_options(lever, jax.devices()[0].platform) or "none")
+    strategy.donate = levers.donates(lever)
     host = {"image": np.asarray(images, np.dtype(net.dtype)), "label": np.asarray(labels, np.int32)}
     state = strategy.init(jax.random.key(0), host)  # sharded: each device builds only its own part
-    rec = {"framework": "jaxdp"}
+    rec = {"framework": "jaxdp", "compiler_options": strategy.compiler_options, "donate": strategy.donate}
     # Model-state bytes measured vs the ZeRO formula (traced, no compile).
     try:
         rep = ins.measure(strategy, host, state=state, compile=False)

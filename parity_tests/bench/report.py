@@ -20,7 +20,8 @@ def _mb(x):
 
 
 HEADER = ("| strategy | N | jaxdp step s | torch step s | jax/torch | jaxdp img/s | torch img/s | compile s "
-          "| mem/dev MiB (compiled) | state MiB meas / formula | traffic MiB/step meas / formula |")
+          "| mem/dev MiB (compiled) | state MiB meas / formula | traffic MiB/step meas / formula "
+          "| torch.compile step s | jax/best torch |")
 
 
 def _row_cells(r: dict) -> list:
@@ -33,7 +34,7 @@ def _row_cells(r: dict) -> list:
     coll = (j.get("collectives") or {}).get("ring_bytes")
     err = j.get("error") or t.get("error")
     return [r["strategy"] + (f" {r['mesh_shape'][0]}x{r['mesh_shape'][1]}" if r.get("mesh_shape") else "")
-            + label(r.get("options", {})),
+            + label(r.get("options", {})) + (f" [{r['lever']}]" if r.get("lever") not in (None, "default") else ""),
             str(r["n"]), _fmt(j.get("median_step_s"), ".4f"),
             _fmt(t.get("median_step_s"), ".4f", "n/a" if "torch_ref" not in r else "err"),
             _fmt(r.get("ratio_jax_over_torch"), ".2f"), _fmt(j.get("images_per_s"), ".1f"),
@@ -41,7 +42,9 @@ def _row_cells(r: dict) -> list:
             _fmt(_mb((j.get("memory") or {}).get("total")), ".2f"),
             f"{_fmt(_mb(state_m), '.3f')}{' (no grads)' if meas and meas.get('grads') is None else ''}"
             f" / {_fmt(_mb(state_f), '.3f')}",
-            f"{_fmt(_mb(coll), '.3f')} / {_fmt(_mb(j.get('traffic_formula_bytes')), '.3f')}"] + ([err[:80]] if err else [])
+            f"{_fmt(_mb(coll), '.3f')} / {_fmt(_mb(j.get('traffic_formula_bytes')), '.3f')}",
+            _fmt((r.get("torch_compile") or {}).get("median_step_s"), ".4f", "-" if "torch_compile" not in r else "err"),
+            _fmt(r.get("ratio_jax_over_best_torch"), ".2f")] + ([err[:80]] if err else [])
 
 
 def row_line(r: dict) -> str:
@@ -64,16 +67,18 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         cells = _row_cells(r)[:HEADER.count("|") - 1]
         lines.append("| " + " | ".join(cells) + " |")
-    errors = [(r["strategy"], r["n"], fw, r[fw]["error"]) for r in result["rows"] for fw in ("jaxdp", "torch_ref")
+    errors = [(r["strategy"], r["n"], fw, r[fw]["error"]) for r in result["rows"]
+              for fw in ("jaxdp", "torch_ref", "torch_compile")
               if isinstance(r.get(fw), dict) and "error" in r[fw]]
     for s, n, fw, err in errors:
         lines.append(f"\n- error {fw} {s} N={n}: `{err.splitlines()[0][:200] if err else ''}`")
-    if result.get("peak_tflops"):
-        lines.append("")
+    if result.get("peak_flops"):
+        lines += ["", f"MFU: {result['flop_per_image'] / 1e9:.3g} GFLOP per trained image (jaxdp.flops), "
+                      f"peak {result['peak_flops'] / 1e12:.4g} TFLOP/s per device (jaxdp.perf.PEAK_FLOPS)."]
         for r in result["rows"]:
             if "mfu_jaxdp" in r:
                 lines.append(f"- MFU {r['strategy']} N={r['n']}: jaxdp {r['mfu_jaxdp']:.1%}, torch_ref "
-                             f"{_fmt(r.get('mfu_torch_ref'), '.1%')} (peak {result['peak_tflops']} TFLOP/s)")
+                             f"{_fmt(r.get('mfu_torch_ref'), '.1%')}, torch.compile {_fmt(r.get('mfu_torch_compile'), '.1%')}")
     p = result.get("pipeline")
     if p:
         lines += ["", f"Input pipeline (numpy, epoch_batches with augmentation, {p['replicas']} replicas): "

@@ -12,17 +12,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxdp.commands import CommandError
+from jaxdp.perf import peak_flops
 from parity_tests.bench import hsdp_mesh_shape
 from parity_tests.bench.bare import add_overheads, bench_bare
 from parity_tests.bench.jax_side import bench_jax, bench_pipeline
 from parity_tests.bench.report import row_line
 from parity_tests.bench.torch_side import bench_torch, torch_twin
 from parity_tests.bench.variants import variants
-
-# Dense bf16 peak per device, TFLOP/s, by a substring of the device name (first match wins).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0,
-               "L4": 121.0, "V100": 125.0}
-RESNET18_CIFAR_FLOP = 3.33e9  # per trained image (fwd + bwd), width 64, 32x32
 
 
 def environment() -> dict:
@@ -61,16 +57,77 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def peak_tflops(device_kind: str) -> Optional[float]:
-    for key, value in PEAK_TFLOPS.items():
-        if key.lower() in device_kind.lower():
-            return value
-    return None
+def flop_per_image(cfg: dict) -> float:
+    """The model's FLOPs per trained image: ``jaxdp.flops``, the count train's MFU uses."""
+    from jaxdp.flops import model_flops_per_image
+
+    options = dict(width=cfg["width"], blocks=cfg["blocks"]) if not cfg["model"].startswith("vit") else {}
+    return model_flops_per_image(cfg["model"], dtype=cfg["dtype"], **options, **cfg.get("vit", {}))
 
 
-def flop_per_image(model: str, width: int) -> Optional[float]:
-    """ResNet-18 CIFAR FLOP per trained image, conv FLOP scaling with width^2 (other models: None)."""
-    return RESNET18_CIFAR_FLOP * (width / 64) ** 2 if model == "resnet18" else None
+def add_mfu(row: dict, fpi: Optional[float], peak: Optional[float]) -> None:
+    """``mfu_<framework>`` for every timed framework of the row (``jaxdp.flops.mfu``)."""
+    from jaxdp.flops import mfu
+
+    for fw in ("jaxdp", "torch_ref", "torch_compile"):
+        value = mfu((row.get(fw) or {}).get("images_per_s"), fpi, row["n"], peak)
+        if value is not None:
+            row[f"mfu_{fw}"] = value
+
+
+def bare_key(n: int, lever) -> str:
+    """Where a row's bare steps are: by N, and by lever beside the default."""
+    return str(n) if lever in (None, "default") else f"{n} {lever}"
+
+
+def _row(name: str, n: int, options: dict, lever, cfg: dict, images: np.ndarray, labels: np.ndarray, *,
+         order_jax_first: bool, with_torch: bool, timeout_s: float) -> dict:
+    """One (N, strategy, options, lever) row: jaxdp and, if asked and the strategy has a twin,
+    torch_ref (eager and compiled), in the given order."""
+    row = {"strategy": name, "n": n, "options": options, "lever": lever, "bare_key": bare_key(n, lever),
+           "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
+           "order": "jaxdp first" if order_jax_first else "torch_ref first", "loadavg_before": list(os.getloadavg())}
+
+    def do_jax():
+        try:
+            row["jaxdp"] = _summary(bench_jax(name, n, cfg, images.reshape(-1, 32, 32, 3), labels.reshape(-1),
+                                              options, lever=lever), cfg["global_batch"])
+        except Exception as e:
+            row["jaxdp"] = {"error": f"{type(e).__name__}: {e}"}
+
+    def do_torch():
+        for key, backend in torch_runs(cfg):
+            try:
+                row[key] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s, options,
+                                                compile_backend=backend), cfg["global_batch"])
+            except Exception as e:
+                row[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+
+    runs = [do_jax] + ([do_torch] if with_torch and torch_twin(name) is not None else [])
+    for run in runs if order_jax_first else runs[::-1]:
+        run()
+    row["loadavg_after"] = list(os.getloadavg())
+    j, t = row.get("jaxdp", {}), row.get("torch_ref", {})
+    if j.get("median_step_s") and t.get("median_step_s"):
+        row["ratio_jax_over_torch"] = j["median_step_s"] / t["median_step_s"]
+    add_best_torch(row)
+    return row
+
+
+def torch_runs(cfg: dict):
+    """(row key, torch.compile backend) of each torch run a row gets: eager always, and
+    compiled under ``cfg["torch_compile"]`` when set."""
+    return [("torch_ref", None)] + ([("torch_compile", cfg["torch_compile"])] if cfg.get("torch_compile") else [])
+
+
+def add_best_torch(row: dict) -> None:
+    """The headline ratio: jaxdp's step over the faster of torch eager and torch.compile."""
+    steps = [(row.get(k) or {}).get("median_step_s") for k in ("torch_ref", "torch_compile")]
+    best = min((s for s in steps if s), default=None)
+    j = (row.get("jaxdp") or {}).get("median_step_s")
+    if best and j:
+        row["best_torch"] = "torch.compile" if best == steps[1] else "eager"
+        row["ratio_jax_over_best_torch"] = j / best
 
 
 def _median(xs):
@@ -103,53 +160,27 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
     if skipped:
         log(f"bench: skipping N = {skipped} (only {available} devices, or global batch "
             f"{cfg['global_batch']} not divisible)")
-    peak = peak_tflops(env["device_kind"]) if env["backend"] == "gpu" else None
-    fpi = flop_per_image(cfg["model"], cfg["width"])
+    peak = peak_flops(env["device_kind"], cfg["dtype"]) if env["backend"] == "gpu" else None
+    fpi = flop_per_image(cfg) if peak else None  # an abstract trace of the model: seconds, for MFU only
     rng = np.random.default_rng(0)
     rows, bare = [], {}
-    i = 0
+    lever_names = list(cfg.get("levers") or [None])
     for n in ns:
         images = rng.normal(size=(n, cfg["global_batch"] // n, 32, 32, 3)).astype(np.float32)
         labels = rng.integers(0, 10, size=(n, cfg["global_batch"] // n)).astype(np.int32)
-        if cfg.get("bare", True):  # the same per-device batch with no strategy code (bare.py)
-            bare[str(n)] = bench_bare(cfg, images[0], labels[0], with_torch=with_torch, timeout_s=timeout_s)
-        for name, options in [(s, o) for s in strategies for o in variants(s, cfg.get("variants", {}))]:
-            row = {"strategy": name, "n": n, "options": options, "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
-                   "order": "jaxdp first" if i % 2 == 0 else "torch_ref first",
-                   "loadavg_before": list(os.getloadavg())}
-            do_torch = with_torch and torch_twin(name) is not None
-
-            def do_jax():
-                try:
-                    row["jaxdp"] = _summary(bench_jax(name, n, cfg, images.reshape(-1, 32, 32, 3),
-                                                      labels.reshape(-1), options), cfg["global_batch"])
-                except Exception as e:
-                    row["jaxdp"] = {"error": f"{type(e).__name__}: {e}"}
-
-            def do_torch_row():
-                try:
-                    row["torch_ref"] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s, options),
-                                                cfg["global_batch"])
-                except Exception as e:
-                    row["torch_ref"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
-
-            order = [do_jax, do_torch_row] if i % 2 == 0 else [do_torch_row, do_jax]
-            for f in order:
-                if f is do_torch_row and not do_torch:
-                    continue
-                f()
-            i += 1
-            row["loadavg_after"] = list(os.getloadavg())
-            j, t = row.get("jaxdp", {}), row.get("torch_ref", {})
-            if j.get("median_step_s") and t.get("median_step_s"):
-                row["ratio_jax_over_torch"] = j["median_step_s"] / t["median_step_s"]
-            add_overheads(row, bare.get(str(n), {}))
-            if peak and fpi and j.get("images_per_s"):
-                row["mfu_jaxdp"] = j["images_per_s"] * fpi / (n * peak * 1e12)
-                if t.get("images_per_s"):
-                    row["mfu_torch_ref"] = t["images_per_s"] * fpi / (n * peak * 1e12)
-            rows.append(row)
-            log(row_line(row))
+        for lever in lever_names:
+            first = lever == lever_names[0]  # torch is timed on the first lever's rows only: no lever touches it
+            if cfg.get("bare", True):  # the same per-device batch with no strategy code (bare.py)
+                bare[bare_key(n, lever)] = bench_bare(cfg, images[0], labels[0], with_torch=with_torch and first,
+                                                      timeout_s=timeout_s, lever=lever,
+                                                      compile_backend=cfg.get("torch_compile"))
+            for name, options in [(s, o) for s in strategies for o in variants(s, cfg.get("variants", {}))]:
+                row = _row(name, n, options, lever, cfg, images, labels, order_jax_first=len(rows) % 2 == 0,
+                           with_torch=with_torch and first, timeout_s=timeout_s)
+                add_overheads(row, bare.get(row["bare_key"], {}))
+                add_mfu(row, fpi, peak)
+                rows.append(row)
+                log(row_line(row))
     pipe = bench_pipeline(max(ns), cfg["global_batch"], pipeline_images) if ns else None
     best = max((r["jaxdp"]["images_per_s"] for r in rows if r.get("jaxdp", {}).get("images_per_s")), default=None)
     if pipe and best:
@@ -157,5 +188,5 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
         pipe["headroom"] = pipe["images_per_s"] / best
     env["loadavg_end"] = list(os.getloadavg())
     return {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
-            "strategies": list(strategies), "environment": env, "peak_tflops": peak, "flop_per_image": fpi,
+            "strategies": list(strategies), "environment": env, "peak_flops": peak, "flop_per_image": fpi,
             "rows": rows, "bare": bare, "pipeline": pipe}

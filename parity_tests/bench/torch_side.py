@@ -87,10 +87,12 @@ def twin_options(twin: str, options: dict) -> dict:
 
 
 def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float,
-                options=None) -> dict:
+                options=None, compile_backend: Optional[str] = None) -> dict:
     """Launch ``n`` ranks (dp: one process on the full batch) and collect rank 0's step times.
     ``options``: the row's jaxdp options; the twin gets those it has a knob for (remat: FSDP2
-    has none, it keeps activations)."""
+    has none, it keeps activations). The step is torch at its fastest (``step_api``'s
+    ``tuned``: channels_last and cudnn.benchmark on CUDA), under ``torch.compile`` with
+    ``compile_backend`` if given (its compile falls in the warm-up steps: at least one)."""
     import pickle
     import shutil
     import tempfile
@@ -100,7 +102,8 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
 
     config = {"strategy": torch_twin(name), "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
               "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
-              "total_steps": cfg["warmup"] + cfg["steps"]}
+              "total_steps": cfg["warmup"] + cfg["steps"] + 1, "tuned": True, "compile": compile_backend}
+    warmup = max(cfg["warmup"], 1) if compile_backend else cfg["warmup"]
     if name == "hsdp":
         config["mesh_shape"] = hsdp_mesh_shape(name, n)
     config.update(twin_options(config["strategy"], options or {}))
@@ -118,7 +121,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     try:
         for r in range(world):
             p = ctx.Process(target=_torch_worker, daemon=True,
-                            args=(r, world, workdir, config, images, labels, cfg["warmup"], cfg["steps"], timeout_s,
+                            args=(r, world, workdir, config, images, labels, warmup, cfg["steps"], timeout_s,
                                   backend))
             p.start()
             procs.append(p)
@@ -128,5 +131,6 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     finally:
         launcher._stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
-    rec.update(framework="torch_ref", config=config, world=world, launch_wall_s=time.perf_counter() - t0)
+    rec.update(framework="torch_ref" + (" + torch.compile" if compile_backend else ""), config=config, world=world,
+               warmup=warmup, launch_wall_s=time.perf_counter() - t0)
     return rec
