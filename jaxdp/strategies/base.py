@@ -407,7 +407,9 @@ class Strategy:
         return sum(jax.lax.psum(v, axes) if axes else v for axes, v in sums.items())
 
     def _check_whole_tree(self, tree) -> None:
-        if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(self.shapes):
+        # shapes is None only when a step is lowered on a state this strategy did not build
+        # (lower_step on another run's state): its tree is the state's own, whole.
+        if self.shapes is not None and jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(self.shapes):
             raise StrategyError("jaxdp.clip_by_global_norm needs the whole gradient tree: put it in the top-level "
                                 "optax.chain, not inside masked or multi_transform")
 
