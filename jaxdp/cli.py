@@ -107,7 +107,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = train(cfg)
     ev = summary.get("eval") or {}
     if summary.get("process_index", 0) == 0:  # one line per job, not per process
-        print(f"done: {summary['steps']} steps in {summary.get('seconds', 0):.1f}s; "
+        rate = summary.get("images_per_sec")
+        speed = f" ({rate:,.0f} img/s, median step)" if rate else ""
+        print(f"done: {summary['steps']} steps in {summary.get('seconds', 0):.1f}s{speed}; "
               f"eval accuracy {ev.get('accuracy', float('nan')):.4f}; run in {cfg.out}")
     return 0
 

@@ -50,7 +50,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
             raise
         finally:
             run.close()
-    return dict(run.summary, steps=run.global_step, seconds=time.perf_counter() - t_start, state=run.state)
+    rates = run.records_in_flight.rates if run.records_in_flight is not None else []
+    return dict(run.summary, steps=run.global_step, seconds=time.perf_counter() - t_start, state=run.state,
+                images_per_sec=float(np.median(rates)) if rates else None)
 
 
 def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callable], t_start: float) -> None:
@@ -241,6 +243,7 @@ class _PendingRecords:
     def __init__(self, run: _Run, throughput: Throughput, t_start: float):
         self.run, self.throughput, self.t_start = run, throughput, t_start
         self.pending, self.bar, self.utilisation = [], None, None
+        self.rates = []  # every step's images/s (the run's median goes in the summary)
         run.records_in_flight = self
 
     def start_epoch(self, bar) -> None:
@@ -284,6 +287,8 @@ def _report(pending, records: _PendingRecords) -> None:
     step, epoch, lr, metrics = pending
     loss = float(metrics["loss"])  # waits for that step only; the next is already queued
     ips = records.throughput.tick()  # None for a step whose time holds the compile
+    if ips is not None:
+        records.rates.append(ips)
     extra = {**_other_scalars(metrics), **records.utilisation.fields(ips)}
     if records.t_start is not None:  # the run's first step: how long until training really began
         extra["time_to_first_step_s"] = time.perf_counter() - records.t_start

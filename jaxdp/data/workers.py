@@ -17,7 +17,10 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import signal
 import tempfile
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Iterable, Iterator
 
@@ -46,7 +49,7 @@ class CropWorkers:
         with os.fdopen(fd, "wb") as f:
             np.save(f, dataset.images)
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_attach, initargs=(self._path,))
+                                         initializer=_attach, initargs=(self._path, os.getpid()))
 
     def crops(self, steps: Iterable[np.ndarray], *, seed: int, epoch: int, train: bool = True,
               ahead: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -78,9 +81,27 @@ class CropWorkers:
         self.close()
 
 
-def _attach(path: str) -> None:
+def _attach(path: str, parent: int) -> None:
     global _IMAGES
+    # Ctrl-C and SIGTERM reach the whole process group: the trainer finishes its step and
+    # checkpoints, which needs the workers alive; they end when it shuts the pool down (or dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The trainer's pid, not os.getppid(): a worker may start after the trainer died.
+    threading.Thread(target=_exit_with_parent, args=(parent, path), daemon=True).start()
     _IMAGES = np.load(path, mmap_mode="r")
+
+
+def _exit_with_parent(parent: int, path: str) -> None:
+    """A trainer killed outright (SIGKILL) cannot shut its pool down: its orphaned workers,
+    deaf to SIGTERM, notice the new parent, delete the shared file and leave."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    try:
+        os.remove(path)
+    except OSError:  # another worker was first
+        pass
+    os._exit(0)
 
 
 def _crop(ids: np.ndarray, seed: int, epoch: int, train: bool, hflip: bool) -> np.ndarray:
