@@ -4,7 +4,7 @@ A dataset that fits (synthetic, digits, CIFAR-10's 150 MB of uint8) is copied to
 device once, replicated. Each step the host computes, with the numpy pipeline's own code
 (``epoch_indices`` for the DistributedSampler partition, ``augment_params`` for the crop
 offsets and flip bits), one small int32 array: (id, dy, dx, flip) per sample, 16 bytes
-where the host pipeline sends a 12 KiB float32 image. On the devices, inside a jitted
+where a host batch sends a 12 KiB float32 image (3 KiB as uint8). On the devices, inside a jitted
 ``shard_map`` over the batch axes, each data-parallel device gathers its own rows, pads
 and crops them, flips them and normalises them. The result is laid out exactly as
 ``strategy.shard_batch`` lays out a host batch, so the step cannot tell the two apart;
@@ -51,7 +51,7 @@ def crop_flip(images, dy, dx, flip):
     """``jaxdp.data.augment``'s pad-crop and flip of a batch (b, H, W, C) uint8, given its draws.
 
     Pads with zeros, takes each image's (H, W) window at (dy, dx) and mirrors it where
-    ``flip``: a gather per image, the same pixels the numpy fancy index reads.
+    ``flip``: the window numpy's ``augment`` slices, one dynamic slice per image.
     """
     import jax
     import jax.numpy as jnp
