@@ -151,3 +151,15 @@ def test_workers_of_a_killed_trainer_leave_and_delete_the_shared_file(tmp_path):
     while time.monotonic() < deadline and (os.path.exists(path) or any(alive(int(p)) for p in pids)):
         time.sleep(0.2)
     assert not os.path.exists(path) and not any(alive(int(p)) for p in pids)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-on-device", "maybe"], "unknown --data-on-device 'maybe'; choose one of auto, on, off"),
+    (["--data-workers", "-1"], "--data-workers must be >= 0 (0 = a background thread), got -1"),
+])
+def test_bad_data_flags_are_one_clear_line(tmp_path, capsys, args, message):
+    from jaxdp.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "run"), *args]) == 2
+    assert capsys.readouterr().err == f"jaxdp: error: {message}\n"
+    assert not (tmp_path / "run").exists()
