@@ -58,7 +58,8 @@ def crop_flip(images, dy, dx, flip):
 
     h, w, c = images.shape[1:]
     padded = jnp.pad(images, ((0, 0), (PAD, PAD), (PAD, PAD), (0, 0)))
-    window = jax.vmap(lambda x, y0, x0: jax.lax.dynamic_slice(x, (y0, x0, 0), (h, w, c)))
+    # Start indices of one dtype (a literal 0 would be int64 beside int32 under jax_enable_x64).
+    window = jax.vmap(lambda x, y0, x0: jax.lax.dynamic_slice(x, (y0, x0, jnp.zeros_like(y0)), (h, w, c)))
     crops = window(padded, dy, dx)
     return jnp.where(flip[:, None, None, None], crops[:, :, ::-1], crops)
 

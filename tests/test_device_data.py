@@ -94,11 +94,12 @@ def test_auto_keeps_small_sets_on_the_device_and_large_ones_on_the_host(train_se
     assert choose("on", train_set, device(limit - 8))[0] and not choose("off", train_set, cpu)[0]
 
 
+@pytest.mark.float64
 def test_train_on_the_device_and_on_the_host_is_the_same_run(tmp_path, capsys):
     """jaxdp train picks the device path on CPU and says so; the host path with two
-    worker processes trains the same losses, bit for bit."""
+    worker processes trains the same losses, bit for bit (float64: 64-bit ints too)."""
     common = dict(width=4, blocks=(1, 1, 1, 1), synthetic_size=(48, 16), global_batch_size=16, devices=2,
-                  max_steps=3, lr=0.05, tensorboard=False)
+                  max_steps=3, lr=0.05, dtype="float64", tensorboard=False)
     train(TrainConfig(out=str(tmp_path / "device"), **common))
     device_line = [line for line in capsys.readouterr().err.splitlines() if line.startswith("data: ")]
     assert device_line == ["data: synthetic-train is 0.1 MiB, on every device: within 1/8 of a device's "
