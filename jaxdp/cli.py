@@ -107,7 +107,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = train(cfg)
     ev = summary.get("eval") or {}
     if summary.get("process_index", 0) == 0:  # one line per job, not per process
-        print(f"done: {summary['steps']} steps in {summary.get('seconds', 0):.1f}s; "
+        rate = summary.get("images_per_sec")
+        speed = f" ({rate:,.0f} img/s, median step)" if rate else ""
+        print(f"done: {summary['steps']} steps in {summary.get('seconds', 0):.1f}s{speed}; "
               f"eval accuracy {ev.get('accuracy', float('nan')):.4f}; run in {cfg.out}")
     return 0
 
@@ -125,6 +127,12 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-sample-ids", action="store_true",
                    help="write each step's dataset ids to OUT/sample_ids.p<process>.jsonl")
     g = p.add_argument_group("performance")
+    g.add_argument("--data-on-device", default=d.data_on_device, metavar="{auto,on,off}",
+                   help="keep the training set on every device and augment there (auto: if it takes at most 1/8 "
+                        "of a device's memory)")
+    g.add_argument("--data-workers", type=int, default=d.data_workers,
+                   help="host pipeline (data not on the devices): crop in N processes (0 = one background thread; "
+                        "default 0 on CPU, else half the cores, at most 8)")
     g.add_argument("--profile-steps", type=_step_range, default=d.profile_steps, metavar="A:B",
                    help="write a jax.profiler trace of steps A..B-1 to OUT/tensorboard (TensorBoard's profile tab)")
     g.add_argument("--peak-flops", type=float, default=d.peak_flops,

@@ -29,6 +29,8 @@ class TrainConfig(StrategyOptions):
     data_dir: Optional[str] = None
     download: bool = False
     synthetic_size: Tuple[int, int] = (10000, 2000)
+    data_on_device: str = "auto"  # keep the training set on the devices: auto (if it fits), on, off
+    data_workers: Optional[int] = None  # host pipeline processes (default: 0 on CPU, else half the cores, <= 8)
     # how to train it (and the strategy with its options: StrategyOptions)
     devices: Optional[int] = None  # default: every device; on CPU, N simulated devices
     mesh: Optional[str] = None  # named axis sizes, e.g. "data=2,model=2"; their product is the device count
@@ -80,7 +82,7 @@ class TrainConfig(StrategyOptions):
                    "download",
                    "strategy", "mesh_shape", "bucket_cap_mb", "remat", "log_sample_ids", "init_timeout",
                    "heartbeat_timeout", "keep", "eval_every", "tensorboard", "profile_steps", "peak_flops",
-                   "compile_cache"}
+                   "compile_cache", "data_on_device", "data_workers"}
         return {k: v for k, v in json.loads(self.to_json()).items() if k not in ignored}
 
     def schedule_options(self, steps_per_epoch: int) -> dict:
@@ -138,6 +140,9 @@ def check_config(cfg: TrainConfig) -> None:
     if len(cfg.synthetic_size) != 2 or min(cfg.synthetic_size) < 1:
         raise TrainError(f"--synthetic-size takes two positive counts TRAIN,TEST (e.g. 10000,2000), "
                          f"got {','.join(map(str, cfg.synthetic_size))}")
+    check_choice("--data-on-device", cfg.data_on_device, ("auto", "on", "off"))
+    if cfg.data_workers is not None:
+        _at_least("--data-workers", cfg.data_workers, 0, hint=" (0 = a background thread)")
     _check_milestones(cfg)
     _check_powersgd_flags(cfg)
 

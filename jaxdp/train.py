@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxdp.config import TrainConfig, check_config, end_position
+from jaxdp.feed import flat_rows as _flat
 from jaxdp.interrupts import DeferredInterrupt
 from jaxdp.progress import Throughput, progress_bar, say
 from jaxdp.rundir import latest_orbax_step, refuse_earlier_run
@@ -49,7 +50,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
             raise
         finally:
             run.close()
-    return dict(run.summary, steps=run.global_step, seconds=time.perf_counter() - t_start, state=run.state)
+    rates = run.records_in_flight.rates if run.records_in_flight is not None else []
+    return dict(run.summary, steps=run.global_step, seconds=time.perf_counter() - t_start, state=run.state,
+                images_per_sec=float(np.median(rates)) if rates else None)
 
 
 def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callable], t_start: float) -> None:
@@ -115,6 +118,7 @@ class _Run:
 
         from jaxdp.checkpoint import Checkpointer
         from jaxdp.distributed import barrier
+        from jaxdp.feed import make_feed
         from jaxdp.mesh import process_ranks
         from jaxdp.perf import ProfileWindow
         from jaxdp.resume import start_state
@@ -139,6 +143,9 @@ class _Run:
         tp = getattr(self.strategy, "tp", None)
         if self.is_main and tp is not None and tp.note:  # a layer left unsplit: said even without progress
             print(f"tensor parallelism: {tp.note}", file=sys.stderr, flush=True)
+        self.feed, feed_line = make_feed(cfg, setup, self.ranks)  # the training set on the devices, or the host
+        if self.is_main and cfg.progress:
+            print(feed_line, file=sys.stderr, flush=True)
         if self.is_main:
             write_config(cfg.out, cfg)
         keep = self.global_step if cfg.resume else 0
@@ -148,16 +155,8 @@ class _Run:
         self.summary = {"steps": 0, "eval": None, "interrupted": False, "process_index": jax.process_index()}
 
     def batches(self, epoch: int, first: int):
-        """This process's rows of the epoch's batches from step ``first``, placed on the mesh."""
-        from jaxdp.data import Prefetcher, epoch_batches
-
-        def place(batch):
-            return self.strategy.shard_batch({"image": _flat(batch.images), "label": _flat(batch.labels)}), \
-                batch.indices
-
-        return Prefetcher(epoch_batches(self.setup.train_set, num_replicas=self.strategy.num_devices,
-                                        batch_per_replica=self.setup.per_device, epoch=epoch, seed=self.cfg.seed,
-                                        start_step=first, ranks=self.ranks), transform=place)
+        """This process's rows of the epoch's batches from step ``first``, placed on the mesh, with their ids."""
+        return self.feed.epoch(epoch, first)
 
     def step_done(self, epoch: int, steps_done: int) -> None:
         """The state in hand is one update further, at (epoch, steps of it done)."""
@@ -214,6 +213,7 @@ class _Run:
     records_in_flight = None  # the loop's _PendingRecords, set when it starts
 
     def close(self) -> None:
+        self.feed.close()
         self.profile.close()
         self.log.close()
         self.sample_log.close()
@@ -233,11 +233,6 @@ def evaluate(strategy, state, test_set, per_device: int, ranks=None) -> dict:
     return {"loss": totals[0] / totals[2], "accuracy": totals[1] / totals[2], "count": int(totals[2])}
 
 
-def _flat(a: np.ndarray) -> np.ndarray:
-    """(replicas, b, ...) -> (replicas * b, ...): device r gets rows [r*b, (r+1)*b)."""
-    return a.reshape(-1, *a.shape[2:])
-
-
 class _PendingRecords:
     """Train records whose metrics are still being computed: the loop writes a step's
     record once the next step is queued, so reading its loss never stalls the device.
@@ -248,6 +243,7 @@ class _PendingRecords:
     def __init__(self, run: _Run, throughput: Throughput, t_start: float):
         self.run, self.throughput, self.t_start = run, throughput, t_start
         self.pending, self.bar, self.utilisation = [], None, None
+        self.rates = []  # every step's images/s (the run's median goes in the summary)
         run.records_in_flight = self
 
     def start_epoch(self, bar) -> None:
@@ -309,6 +305,8 @@ def _report(pending, records: _PendingRecords) -> None:
     step, epoch, lr, metrics = pending
     loss = float(metrics["loss"])  # waits for that step only; the next is already queued
     ips = records.throughput.tick()  # None for a step whose time holds the compile
+    if ips is not None:
+        records.rates.append(ips)
     extra = {**_other_scalars(metrics), **records.utilisation.fields(ips)}
     if records.t_start is not None:  # the run's first step: how long until training really began
         extra["time_to_first_step_s"] = time.perf_counter() - records.t_start

@@ -10,7 +10,7 @@ from .augment import CIFAR10_MEAN, CIFAR10_STD, augment, augment_params, normali
 from .cifar10 import (CIFAR10_MD5, CIFAR10_URL, download_cifar10, find_cifar10,
                       load_cifar10, read_cifar10)
 from .datasets import DATASETS, load_dataset
-from .loader import Batch, Prefetcher, epoch_batches, eval_batches, steps_per_epoch
+from .loader import Batch, Prefetcher, epoch_batches, epoch_indices, eval_batches, steps_per_epoch
 from .sampler import (DistributedSampler, epoch_permutation, num_samples_per_replica,
                       partition)
 from .synthetic import make_synthetic
@@ -18,7 +18,7 @@ from .synthetic import make_synthetic
 __all__ = [
     "ArrayDataset", "Batch", "CIFAR10_MD5", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_URL",
     "DATASETS", "DatasetError", "DistributedSampler", "Prefetcher", "augment",
-    "augment_params", "download_cifar10", "epoch_batches", "epoch_permutation",
+    "augment_params", "download_cifar10", "epoch_batches", "epoch_indices", "epoch_permutation",
     "eval_batches", "find_cifar10", "load_cifar10", "load_dataset", "make_synthetic",
     "normalize", "num_samples_per_replica", "partition", "read_cifar10", "steps_per_epoch",
 ]

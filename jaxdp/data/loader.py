@@ -69,23 +69,36 @@ def epoch_batches(dataset: ArrayDataset, *, num_replicas: int, batch_per_replica
     skips steps without loading them (resume). Arguments are checked now,
     not at the first next().
     """
-    n = len(dataset)
+    steps = epoch_indices(len(dataset), num_replicas=num_replicas, batch_per_replica=batch_per_replica,
+                          epoch=epoch, seed=seed, shuffle=shuffle and train, drop_last=drop_last,
+                          permutation=permutation, start_step=start_step, ranks=ranks)
+    return _epoch_iter(dataset, steps, train, seed, epoch)
+
+
+def epoch_indices(n: int, *, num_replicas: int, batch_per_replica: int, epoch: int, seed: int = 0,
+                  shuffle: bool = True, drop_last: bool = False, permutation: np.ndarray | None = None,
+                  start_step: int = 0, ranks: Sequence[int] | None = None) -> Iterator[np.ndarray]:
+    """The dataset ids of each step of an epoch, (len(ranks), batch_per_replica) int64.
+
+    The sampling half of ``epoch_batches`` (same arguments, same checks, made now): any
+    pipeline that loads the images elsewhere (worker processes, the devices) takes its ids
+    from here, so it cannot drift from the DistributedSampler partition or from resume.
+    """
     steps = steps_per_epoch(n, num_replicas, batch_per_replica, drop_last)
     if not 0 <= start_step <= steps:
         raise ValueError(f"start_step {start_step} is outside [0, {steps}]")
     ranks = _check_ranks(ranks, num_replicas)
     if permutation is None:
-        permutation = epoch_permutation(n, seed, epoch) if shuffle and train else np.arange(n)
+        permutation = epoch_permutation(n, seed, epoch) if shuffle else np.arange(n)
     elif len(permutation) != n:
         raise ValueError(f"permutation has {len(permutation)} entries, dataset has {n}")
     rows = partition(permutation, num_replicas, drop_last)[ranks]
-    return _epoch_iter(dataset, rows, batch_per_replica, range(start_step, steps),
-                       train, seed, epoch)
+    b = batch_per_replica
+    return (rows[:, s * b:(s + 1) * b] for s in range(start_step, steps))
 
 
-def _epoch_iter(dataset, rows, b, steps, train, seed, epoch) -> Iterator[Batch]:
-    for s in steps:
-        idx = rows[:, s * b:(s + 1) * b]
+def _epoch_iter(dataset, steps, train, seed, epoch) -> Iterator[Batch]:
+    for idx in steps:
         images = dataset.images[idx]
         if train:
             images = augment(images, idx, seed, epoch, hflip=dataset.hflip)
