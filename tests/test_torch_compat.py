@@ -160,6 +160,26 @@ def test_pipeline_grads_are_the_micro_batch_mean_on_either_gpipe(world_of_one, m
         np.testing.assert_allclose(summed[name], p.grad.numpy(), rtol=1e-13, atol=1e-15)
 
 
+# ----------------------------------------------------------------------------- FSDP2 on CPU
+
+class CPUStreamOfTorch26:
+    """torch 2.6's ``torch.cpu.Stream``: no ``record_event``."""
+
+    def wait_stream(self, stream):
+        pass
+
+
+def test_fsdp_on_cpu_is_refused_in_one_line_where_cpu_streams_cannot_record_events(monkeypatch):
+    from torch_ref.models import resnet
+    from torch_ref.strategies import StrategyError, wrap
+
+    assert compat.fsdp_cpu_problem(torch.cpu.Stream) is None  # this torch: FSDP2 runs on CPU
+    assert "needs torch >= 2.7" in compat.fsdp_cpu_problem(CPUStreamOfTorch26)
+    monkeypatch.setattr(torch.cpu, "Stream", CPUStreamOfTorch26)
+    with pytest.raises(StrategyError, match=r"FSDP2 \(zero2, zero3, hsdp\) on CPU needs torch >= 2.7"):
+        wrap("zero3", resnet("resnet18", width=4, blocks=(1, 1, 1, 1)), device=torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------- FSDP2 bf16 with BatchNorm
 
 def _bf16_twin(model: nn.Module) -> nn.Module:

@@ -10,6 +10,9 @@ the newer API's semantics exactly on the older torch:
   forward" (``forward_sync_buffers=True`` from torch 2.13, ``broadcast_buffers=True`` before).
 - ``gpipe``: ``ScheduleGPipe`` averaging the gradients over micro-batches (``scale_grads=True``
   from torch 2.7; before, the schedule sums them and the caller divides).
+- ``fsdp_cpu_problem``: FSDP2 on CPU (gloo) needs torch 2.7's CPU ``Stream.record_event``; on
+  torch 2.6 zero2/zero3/hsdp run on CUDA only, and say so in one line instead of failing
+  inside FSDP2 with ``'Stream' object has no attribute 'record_event'``.
 
 Everything else torch_ref uses has one shape over that range. torch-only: no jax here.
 """
@@ -59,3 +62,19 @@ def gpipe(stage: Any, n_microbatches: int, loss_fn: Callable,
     if takes_keyword(schedule_class.__init__, "scale_grads"):
         return schedule_class(stage, n_microbatches, loss_fn=loss_fn, scale_grads=True), 1
     return schedule_class(stage, n_microbatches, loss_fn=loss_fn), n_microbatches
+
+
+def fsdp_cpu_problem(stream_class: Optional[type] = None) -> Optional[str]:
+    """Why FSDP2 cannot run on this torch's CPU (None: it can). FSDP2 records an event on its
+    all-gather stream; CPU streams gained ``record_event`` (a no-op) in torch 2.7."""
+    if stream_class is None:
+        import torch
+
+        stream_class = torch.cpu.Stream
+    if hasattr(stream_class, "record_event"):
+        return None
+    import torch
+
+    return (f"FSDP2 (zero2, zero3, hsdp) on CPU needs torch >= 2.7: torch {torch.__version__}'s CPU streams "
+            "have no record_event, which fully_shard calls. Run these strategies on CUDA (--backend nccl) "
+            "or install a newer torch")

@@ -458,6 +458,9 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     comm_state, autocast = None, None
     if name in ("zero2", "zero3", "hsdp"):
+        problem = compat.fsdp_cpu_problem() if device.type == "cpu" else None
+        if problem:
+            raise StrategyError(problem)
         if name == "hsdp":
             wrapped = hsdp(model, device=device, mixed_precision=mixed_precision, **options)
         else:
