@@ -11,12 +11,16 @@ QUICKSTART_ARGS := --strategy ddp --model resnet18 --width 8 --devices 2 --globa
 
 .PHONY: train test install install-gpu gpu-check gpu-bench clean
 
+# pyproject.toml admits torch 2.6 to < 3; CONSTRAINTS pins the one installed here (2.13.0, the
+# CPU wheel on the build machines). Another torch: make install CONSTRAINTS=/dev/null.
+CONSTRAINTS ?= .ci/constraints.txt
+
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[dev]"
 	touch $@
 
 train: install
@@ -35,7 +39,7 @@ test: install
 install-gpu: $(VENV)/.installed-gpu
 
 $(VENV)/.installed-gpu: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[dev,gpu]"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[dev,gpu]"
 	touch $@
 
 # JAX must see the GPUs (JAX_PLATFORMS unset) and leave memory to the torch ranks sharing them.

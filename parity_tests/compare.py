@@ -121,7 +121,7 @@ FLOAT32 = Bounds(
 )
 
 # bfloat16 mixed precision: float32 params (master weights, optimizer state) and bf16
-# compute, against torch's autocast(bf16) (CPU) or FSDP2's MixedPrecisionPolicy (CUDA).
+# compute, against torch's autocast(bf16) (dp, ddp, zero1) or FSDP2's MixedPrecisionPolicy (zero2, zero3, hsdp).
 # The sides round at different points (XLA fuses across ops, autocast casts per op), so
 # each activation may differ by ~u = 2^-8 (bf16's unit roundoff), and through a network
 # of depth L by up to ~L u in the worst direction. Measured (N=2, SGD, 6 steps):

@@ -104,6 +104,16 @@ LOW_PRECISION = {
     "ddp-fp16-hook-n3": dict(strategy="ddp", devices=3, compress="fp16", steps=SHORT, **SGD),
 }
 
+# bfloat16 mixed precision with BatchNorm against the FSDP2 twins, whose policies keep every norm
+# layer's params float32 around bf16 blocks (torch_ref.strategies.mixed_precision_policies), as
+# jaxdp's BatchNorm computes on bf16 activations. compare.BFLOAT16_BN: every rank's loss within
+# 2u (u = 2^-8) at every step, the loss curves within 2u. (The ViT's bf16 pairs: test_vit_parity.py.)
+BF16_BN = {
+    "zero2-n2-adam": dict(strategy="zero2", devices=2, steps=SHORT, **ADAM),
+    "zero3-n2-adam": dict(strategy="zero3", devices=2, steps=SHORT, **ADAM),
+    "hsdp-2x2-adam": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), steps=SHORT, **ADAM),
+}
+
 
 # Gradient clipping, torch's clip_grad_norm_ before each optimizer.step() against
 # jaxdp.clip_by_global_norm first in the optax chain, in every layout the optimizer sees:
@@ -185,6 +195,22 @@ def test_low_precision_hook_on_more_than_two_ranks(name):
         grads = [e.key for e in step.entries if e.category == "grads"]
         wire = {e.key for e in step.entries if e.category == "wire"}
         assert wire == {f"wire/{side}/{k[len('grads/'):]}" for side in ("jaxdp", "torch") for k in grads}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BF16_BN))
+def test_bfloat16_with_batchnorm_against_fsdp2_mixed_precision(name):
+    result = run_parity(config("bfloat16", **BF16_BN[name]), reuse_torch=True)
+    assert_parity(result)
+    assert result.comparison.bounds.name == "bfloat16"
+    first = result.comparison.steps[0]
+    assert {e.category for e in first.entries} >= {"loss", "grads", "params", "buffers", "optimizer_state"}
+    # bf16 rounding is really there (float32 runs differ by ~1e-6 here): both sides computed in bf16 ...
+    assert first.max_rel("grads") > 1e-4
+    # ... around float32 master weights and BatchNorm statistics, on both sides.
+    for records in (result.jax_records, result.torch_records):
+        for kind in ("params", "buffers"):
+            assert {str(v.dtype) for v in records[-1][kind].values()} == {"float32"}, kind
 
 
 @pytest.mark.slow

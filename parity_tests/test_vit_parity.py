@@ -63,8 +63,8 @@ def test_vit_float32_within_measured_noise(strategy):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ("ddp", "zero3"))
 def test_vit_bfloat16_mixed_precision_within_bf16_rounding(strategy):
-    """bf16 compute with float32 master weights against torch's autocast(bf16) (CPU) /
-    MixedPrecisionPolicy (CUDA): ``compare.BFLOAT16``'s bounds, derived from bf16's unit
+    """bf16 compute with float32 master weights against torch's autocast(bf16) (ddp) /
+    FSDP2's MixedPrecisionPolicy (zero3): ``compare.BFLOAT16``'s bounds, derived from bf16's unit
     roundoff u = 2^-8 (loss 2u every step, step-0 tensors 16u), and float32 state on jaxdp's side."""
     result = run_parity(vit_config(strategy, 2, dtype="bfloat16", steps=10), reuse_torch=True)
     assert_parity(result)

@@ -285,8 +285,8 @@ def test_low_precision_hooks_divide_then_sum_in_low_precision(compress, dtype, i
 
 
 def test_bf16_mixed_precision_runs_for_ddp_and_fsdp(init_state):
-    """dtype bfloat16: fp32 params, bf16 compute (autocast; FSDP2 on CUDA uses
-    MixedPrecisionPolicy, on CPU autocast too, see strategies.FSDP_MP_CPU_NOTE)."""
+    """dtype bfloat16: fp32 params, bf16 compute (autocast for ddp; FSDP2's
+    MixedPrecisionPolicy for zero3, norm layers float32: strategies.mixed_precision_policies)."""
     world = 2
     sd32 = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in init_state.items()}
     base = dict(MODEL, **SGD)

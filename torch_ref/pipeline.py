@@ -13,7 +13,8 @@ so records compare name by name with jaxdp's canonical tree. The layers, as jaxd
 Each stage module is handed to ``torch.distributed.pipelining.PipelineStage`` and run by
 ``ScheduleGPipe(stage, M, loss_fn, scale_grads=True)``: the loss runs per micro-batch on the
 last stage, unscaled, and the schedule divides every grad by M once all micro-batches are
-back. The data-parallel average is then one explicit all-reduce of each grad over the ``dp``
+back (torch < 2.7 has no ``scale_grads`` and sums: ``compat.gpipe`` leaves that division to
+the step loop). The data-parallel average is then one explicit all-reduce of each grad over the ``dp``
 dim, divided by dp: DDP's reduction, written out. Why not ``DistributedDataParallel`` around
 the stage module (which ``PipelineStage`` knows: ``no_sync`` for every micro-batch but the
 last): with M > 1 it trips an internal assert in DDP's bucket rebuild on its second step
@@ -108,8 +109,9 @@ def pipeline_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndar
     """One rank's steps; every rank returns the records (every stage's params, gathered)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
 
+    from torch_ref.compat import gpipe
     from torch_ref.strategies import optimizer_for
 
     dp, pp = cfg["dp"], cfg["pp"]
@@ -118,7 +120,7 @@ def pipeline_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndar
     module = build_stage(cfg, state_dict, s)
     named = list(module.named_parameters())
     stage = PipelineStage(module, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = ScheduleGPipe(stage, cfg["microbatches"], loss_fn=F.cross_entropy, scale_grads=True)
+    schedule, unscaled = gpipe(stage, cfg["microbatches"], loss_fn=F.cross_entropy)
     optimizer = optimizer_for([p for _, p in named], cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"],
                               weight_decay=cfg["weight_decay"] if cfg["optimizer"] == "adamw" else 0.0)
     dtype, last = getattr(torch, cfg["dtype"]), s == pp - 1
@@ -135,7 +137,7 @@ def pipeline_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndar
         dist.all_reduce(per_rank)  # over the world: only the last stage's entries are non-zero
         for _, p in named:  # DDP's average over the data-parallel ranks of this stage
             dist.all_reduce(p.grad, group=mesh["dp"].get_group())
-            p.grad.div_(dp)
+            p.grad.div_(dp * unscaled)  # unscaled: M where the schedule summed micro-batches (torch < 2.7)
         grads = {n: _numpy(p.grad) for n, p in named}
         optimizer.step()
         records.append({"loss": float(per_rank.mean()), "loss_per_rank": per_rank.tolist(),

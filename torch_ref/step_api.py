@@ -17,7 +17,7 @@ use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:
   ``width``, ``blocks``, ``stem`` for a ResNet; ``depth``, ``dim``, ``heads``, ``mlp_dim``,
   ``patch``, ``image_size`` for a ViT (None: the named size); ``dtype``: float32 |
   float64 (``model.double()``) | bfloat16 (fp32 params, bf16 compute: FSDP2
-  ``MixedPrecisionPolicy`` on CUDA, ``torch.autocast`` otherwise)
+  ``MixedPrecisionPolicy`` for zero2/zero3/hsdp, ``torch.autocast`` otherwise)
 - optimizer: ``optimizer`` (sgd | adam | adamw), ``lr``, ``momentum``, ``nesterov``,
   ``weight_decay``, ``betas``, ``eps``, ``clip_grad_norm`` (``clip_grad_norm_`` before each
   ``optimizer.step()``); schedule: ``schedule``, ``total_steps``,

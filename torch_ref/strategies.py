@@ -6,8 +6,8 @@ strategy   PyTorch                                                              
 ``dp``     ``nn.DataParallel`` (one process, >= 2 GPUs); otherwise one process  ``dp``
            on the full batch (see ``DP_FALLBACK_NOTE``)
 ``ddp``    ``DistributedDataParallel(bucket_cap_mb=, forward_sync_buffers=True)``  ``ddp``
-           (torch 2.13's name for ``broadcast_buffers=True``), optional comm
-           hook: bf16 / fp16 compression or PowerSGD
+           (``broadcast_buffers=True`` before torch 2.13: ``compat``), optional
+           comm hook: bf16 / fp16 compression or PowerSGD
 ``zero1``  DDP + ``ZeroRedundancyOptimizer`` (optimizer state sharded)          ``zero1``
 ``zero2``  FSDP2 ``fully_shard`` on each residual/encoder block and the root,   ``zero2``
            ``reshard_after_forward=False`` (params stay gathered until backward)
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_ref import compat
 from torch_ref import dist as tdist
 from torch_ref.models import FSDP_UNITS
 
@@ -67,13 +68,6 @@ torch_ref: strategy 'dp' without >= 2 CUDA GPUs: training in ONE process on the 
   are discarded), so the running stats follow chunk 0. Here there is one chunk, so BN
   normalises with full-batch statistics (what SyncBatchNorm would compute) and the running
   stats are the full batch's. With BN removed or in eval mode the two are identical."""
-
-FSDP_MP_CPU_NOTE = (
-    "torch_ref: bf16 with FSDP2 on CPU: using torch.autocast(bf16) over fp32 params instead of "
-    "MixedPrecisionPolicy(param_dtype=bf16). The policy casts BatchNorm's weight to bf16 but not "
-    "its fp32 running stats, a mix CPU batch_norm refuses ('expected scalar type BFloat16 but "
-    "found Float'; cuDNN accepts it). Convolutions see the same bf16 weights either way; "
-    "gradients are reduced in fp32 either way; only the all-gathers move fp32 instead of bf16.")
 
 SYNC_BN_CPU_NOTE = (
     "--sync-bn needs CUDA: torch's SyncBatchNorm raises 'SyncBatchNorm expected input tensor "
@@ -179,7 +173,7 @@ def ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0,
         raise StrategyError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
     wrapped = DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None,
-        bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=True)
+        bucket_cap_mb=bucket_cap_mb, **compat.ddp_buffer_sync(DistributedDataParallel))
     state = None
     if compress is not None:
         state = register_comm_hook(wrapped, compress, rank=powersgd_rank,
@@ -200,20 +194,54 @@ def fsdp(model: nn.Module, *, reshard_after_forward: bool, mesh=None,
     the root (stem, head and whatever the blocks left). ``reshard_after_forward=False``
     keeps each block's gathered params until its backward (ZeRO-2: one all-gather per
     step); ``True`` frees them after the forward and all-gathers again in the backward
-    (ZeRO-3). With ``mixed_precision`` the forward
-    and backward run in bf16 and gradients are reduced in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    (ZeRO-3). With ``mixed_precision`` (``mixed_precision_policies``) the forward and
+    backward run in bf16 around float32 norm layers and gradients are reduced in fp32."""
+    from torch.distributed.fsdp import fully_shard
 
     kwargs: Dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
         kwargs["mesh"] = mesh
-    if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
+    if not mixed_precision:
+        for block in _fsdp_blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+    norm, body, root = mixed_precision_policies()
+    for layer in _norm_layers(model):  # first: a module already sharded keeps its own policy
+        fully_shard(layer, mp_policy=norm, **kwargs)
     for block in _fsdp_blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mp_policy=body, **kwargs)
+    fully_shard(model, mp_policy=root, **kwargs)
     return model
+
+
+# BatchNorm (and SyncBatchNorm), LayerNorm, GroupNorm: the layers bf16 compute keeps in float32.
+NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+
+def _norm_layers(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters())]
+
+
+def mixed_precision_policies():
+    """FSDP2 ``MixedPrecisionPolicy``s for bf16 compute with fp32 master weights, as jaxdp's
+    ``--dtype bfloat16`` computes: ``(norm layers, blocks, root)``.
+
+    - norm layers: params stay float32 (no ``param_dtype``), bf16 out. A BatchNorm whose
+      weight is cast to bf16 beside its fp32 running stats fails in backward on cuDNN
+      ('Expected running_mean to have type BFloat16 but got Float') and on CPU; fp32 params
+      with a bf16 input is the mix both accept, and it is jaxdp's BatchNorm and LayerNorm:
+      statistics, scale and shift in float32 on the bf16 activations, bf16 out. (torch's own
+      FSDP2 mixed-precision test shards BatchNorm first with such a policy.)
+    - blocks: params all-gathered and computed in bf16, gradients reduced in fp32.
+    - root: the same, with fp32 logits out, so the loss is computed in float32 (jaxdp's
+      model returns float32 logits)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return (MixedPrecisionPolicy(reduce_dtype=fp32, output_dtype=bf16),
+            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
+            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32))
 
 
 def zero2(model: nn.Module, **options) -> nn.Module:
@@ -409,8 +437,8 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
     """Wrap ``model`` (already on ``device``, in its final dtype) for strategy ``name``.
 
     ``options`` are the strategy's own (``STRATEGY_OPTIONS``); any other is an error.
-    ``mixed_precision``: FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
-    on CUDA (on CPU, see ``FSDP_MP_CPU_NOTE``); for dp/ddp/zero1, ``torch.autocast(bf16)``
+    ``mixed_precision``: FSDP2 ``MixedPrecisionPolicy``s (``mixed_precision_policies``: bf16
+    compute, fp32 norm layers and gradient reduction), on CUDA and CPU; for dp/ddp/zero1, ``torch.autocast(bf16)``
     around forward and loss (params and grads stay fp32).
     ``sync_bn``: ``SyncBatchNorm`` (CUDA only).
     """
@@ -430,15 +458,13 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     comm_state, autocast = None, None
     if name in ("zero2", "zero3", "hsdp"):
-        policy = mixed_precision and device.type == "cuda"
-        if mixed_precision and not policy:
-            autocast = torch.bfloat16
-            if announce and tdist.rank() == 0:
-                print(FSDP_MP_CPU_NOTE, file=sys.stderr, flush=True)
+        problem = compat.fsdp_cpu_problem() if device.type == "cpu" else None
+        if problem:
+            raise StrategyError(problem)
         if name == "hsdp":
-            wrapped = hsdp(model, device=device, mixed_precision=policy, **options)
+            wrapped = hsdp(model, device=device, mixed_precision=mixed_precision, **options)
         else:
-            wrapped = (zero2 if name == "zero2" else zero3)(model, mixed_precision=policy, **options)
+            wrapped = (zero2 if name == "zero2" else zero3)(model, mixed_precision=mixed_precision, **options)
         module = wrapped  # fully_shard works in place: the root is the model
     else:
         autocast = torch.bfloat16 if mixed_precision else None
