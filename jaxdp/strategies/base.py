@@ -16,6 +16,7 @@ each tensor sharded over the data axis along a dimension N divides (``stored_spe
 so each device writes only its part and any strategy at any N can read it.
 """
 
+import functools
 from typing import Any, Callable, Dict, Optional
 
 import jax
@@ -592,7 +593,9 @@ class Strategy:
         return self._jit_step
 
     def _in_step_context(self, local):
-        """``local`` traced under ``step_context()`` (``jaxdp.reductions``)."""
+        """``local`` traced under ``step_context()`` (``jaxdp.reductions``); it keeps ``local``'s name,
+        which names the compiled step (profiles, HLO, compile logs)."""
+        @functools.wraps(local)
         def traced(*args):
             with reductions.in_step(self.step_context()):
                 return local(*args)
