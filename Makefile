@@ -1,6 +1,7 @@
 # Entry points: `make train` (the quickstart run), `make test` (the suite) and, on a host with
-# >= 2 NVIDIA GPUs, `make gpu-check` (parity of every strategy on every GPU + one bench row,
-# report in runs/gpu-check/). Each creates .venv and installs the project into it on first use.
+# NVIDIA GPUs (one or more), `make gpu-check` (parity of every strategy on the GPUs at realistic
+# sizes, report in runs/gpu-check/). Each creates .venv and installs the project into it on first
+# use; gpu-check first tries the python at hand (a GPU image's own jax and torch).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -37,11 +38,18 @@ $(VENV)/.installed-gpu: $(VENV)/.installed
 	touch $@
 
 # JAX must see the GPUs (JAX_PLATFORMS unset) and leave memory to the torch ranks sharing them.
-# Extra options: make gpu-check GPU_CHECK_ARGS="--devices 4" (or --dtypes float64, --no-bench, ...).
+# The python at hand runs it when it imports jax, torch, flax, optax, orbax and jaxdp (a stock
+# GPU image after `pip install --no-deps -e .`: no network, nothing to install); else .venv,
+# installed first with JAX's CUDA build.
+# Extra options: make gpu-check GPU_CHECK_ARGS="--devices 4" (or --dtypes float64, --budget 0, ...).
 GPU_CHECK_ARGS ?=
-gpu-check: install-gpu
+GPU_CHECK_IMPORTS := import jax, torch, flax, optax, orbax.checkpoint, jaxdp, parity_tests
+gpu-check:
+	@if $(PYTHON) -c "$(GPU_CHECK_IMPORTS)" 2>/dev/null; then py="$(PYTHON)"; \
+	else $(MAKE) install-gpu && py="$(BIN)/python"; fi; \
+	echo "gpu-check with $$py"; \
 	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
-		$(BIN)/python -m parity_tests.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
+		$$py -m parity_tests.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

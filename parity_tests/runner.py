@@ -140,6 +140,19 @@ def bounds_for(p: Plan):
     return base
 
 
+def _note_parity_mode(p: Plan) -> None:
+    """On a GPU, say so in the report when XLA started without parity mode's flags (jax's
+    backend existed before ``parity_mode.enable``): its convolutions were then autotuned."""
+    import jax
+
+    from parity_tests import parity_mode
+
+    if jax.default_backend() == "gpu" and not parity_mode.xla_flags_in_effect():
+        p.notes.append("parity mode's XLA flags were NOT in effect (jax's backend started before "
+                       f"parity_tests.parity_mode.enable): set XLA_FLAGS='{' '.join(parity_mode.XLA_FLAGS)}' "
+                       "before jax starts, or run jaxdp parity / python -m parity_tests.gpu_check")
+
+
 def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
                jax_steps: Optional[int] = None, bug: Optional[str] = None) -> ParityResult:
     """Run both sides and compare them step by step.
@@ -155,6 +168,7 @@ def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
     # Refused before anything runs: a bug that cannot apply would only "pass".
     injected = bugs.injection(bug, cfg) if bug is not None else contextlib.nullcontext()
     configure_precision(p.cuda)
+    _note_parity_mode(p)
     t0 = time.perf_counter()
     sd = init_state_dict(cfg)
     batches = make_batches(cfg)
