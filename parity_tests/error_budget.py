@@ -35,9 +35,32 @@ LOW_DTYPES = ("float32", "bfloat16")
 # The cross-framework bound is MARGIN x (e_jax + e_torch) of the budget measured at step 0.
 # e_jax + e_torch already bounds |jaxdp - torch| for the inputs measured (triangle
 # inequality through the exact result, which both float64 runs give to 1e-13); the margin
-# covers other seeds, batches and strategies of the same model, whose rounding differs
-# (measured: the step-0 errors of three seeds spread by less than 2x, docs/parity.md).
+# covers the other strategies, N and accumulation of the same model. Measured: the tiny
+# ResNet's budget at N = 1 (SGD row below: grads 2.4e-6, optimizer state 2.5e-6, loss 1.0e-7,
+# buffers 4.3e-7) against the worst step-0 cross-framework error over every CPU pair at
+# N = 2..4 (grads 2.5e-6, optimizer state 2.9e-6, loss 1.0e-7, buffers 3.7e-7): at most
+# 1.2x the budget, so 4 leaves 3x to spare.
 MARGIN = 4.0
+
+# The budget, measured with this module (step 0; each side's largest relative error against its
+# own float64 run, per category). A run is held to the rows of its own model and crop size
+# (``rows_for``), else to every row's envelope. CPU rows: XLA:CPU (jax 0.10.2) against ATen
+# (torch 2.13.0), gloo, N = 1; GPU rows are to be added from the same command on a GPU.
+TINY_RESNET = "resnet18 width 4 blocks (1, 1, 1, 1)"
+MEASURED = [
+    {"family": "resnet", "model": TINY_RESNET, "image_size": 16, "where": "CPU", "optimizer": "sgd nesterov lr 0.05",
+     "command": "python -m parity_tests.error_budget --width 4 --blocks 1,1,1,1 --image-size 16 "
+                "--batch-per-device 8 --steps 2 --optimizer sgd --lr 0.05 --momentum 0.9 --nesterov "
+                "--weight-decay 5e-4",
+     "jax": {"float32": {"loss": 5.1e-08, "grads": 1.1e-06, "params": 7.7e-07, "buffers": 2.4e-07,
+                         "optimizer_state": 1.1e-06},
+             "bfloat16": {"loss": 1.5e-04, "grads": 5.2e-01, "params": 2.2e-01, "buffers": 5.7e-03,
+                          "optimizer_state": 5.2e-01}},
+     "torch": {"float32": {"loss": 5.1e-08, "grads": 1.3e-06, "params": 6.9e-07, "buffers": 1.8e-07,
+                           "optimizer_state": 1.3e-06},
+               "bfloat16": {"loss": 9.9e-04, "grads": 4.2e-01, "params": 4.2e-01, "buffers": 4.9e-03,
+                            "optimizer_state": 4.2e-01}}},
+]
 
 
 def cast(tree, dtype):
@@ -109,9 +132,34 @@ def bounds_from_budget(budget: Mapping, dtype: str, step: int = 0) -> Dict[str, 
     """The cross-framework bound per category: ``MARGIN`` x (jaxdp's + torch's error against
     their float64 runs) at ``step``, from a ``measure`` result (or a row of ``MEASURED``)."""
     sides = budget["sides"]
-    jax_err, torch_err = sides["jax"][dtype][step], sides["torch"][dtype][step]
+    jax_err, torch_err = sides["jax"][dtype], sides["torch"][dtype]
+    if isinstance(jax_err, list):  # a measure() result: per step; a MEASURED row: step 0 only
+        jax_err, torch_err = jax_err[step], torch_err[step]
     return {c: budget.get("margin", MARGIN) * (jax_err[c] + torch_err[c])
             for c in CATEGORIES if c in jax_err and c in torch_err}
+
+
+def rows_for(family: str, model: str, image_size: int, rows: Optional[Sequence[Mapping]] = None) -> List[Mapping]:
+    """The measured rows of this model at this crop size; else of its family; else every row."""
+    rows = MEASURED if rows is None else rows
+    return ([r for r in rows if (r["model"], r["image_size"]) == (model, image_size)] or
+            [r for r in rows if r["family"] == family] or list(rows))
+
+
+def step0_bounds(dtype: str, rows: Sequence[Mapping]) -> Dict[str, float]:
+    """Per category: ``MARGIN`` x the largest (jaxdp + torch) error among ``rows`` (a row without
+    ``dtype`` is skipped), with the record's other names: each rank's loss is bounded as the loss,
+    PowerSGD's state as the optimizer state."""
+    out: Dict[str, float] = {}
+    for row in rows:
+        if dtype in row["jax"] and dtype in row["torch"]:
+            for c, v in bounds_from_budget({"sides": row, "margin": MARGIN}, dtype).items():
+                out[c] = max(out.get(c, 0.0), v)
+    if "loss" in out:
+        out["loss_per_rank"] = out["loss"]
+    if "optimizer_state" in out:
+        out["comm_state"] = out["optimizer_state"]
+    return out
 
 
 def markdown(budget: Mapping) -> str:
@@ -131,16 +179,23 @@ def markdown(budget: Mapping) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    from parity_tests import parity_mode
-    from parity_tests.command import add_parity_args, config_from_args
+def build_parser() -> argparse.ArgumentParser:
+    """The parity CLI's options (the run's model, data and optimizer) plus ``--dtypes``."""
+    from parity_tests.command import add_parity_args
 
     parser = argparse.ArgumentParser(prog="python -m parity_tests.error_budget", description=__doc__.splitlines()[0])
     add_parity_args(parser)
     parser.add_argument("--dtypes", default=",".join(LOW_DTYPES),
                         help="low dtypes measured against float64 (default %(default)s); --dtype is not used")
     parser.set_defaults(out="runs/error-budget", devices=1)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from parity_tests import parity_mode
+    from parity_tests.command import config_from_args
+
+    args = build_parser().parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in LOW_DTYPES for d in dtypes):
         print(f"error_budget: error: --dtypes must be a comma list of {', '.join(LOW_DTYPES)}", file=sys.stderr)

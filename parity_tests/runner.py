@@ -126,15 +126,23 @@ class ParityResult:
 
 
 def bounds_for(p: Plan):
-    """float64 or float32 bounds (``compare.DEFAULT_BOUNDS``); with a bf16/fp16 hook, those
-    adapted to the wire's rounding on ``p.world`` ranks (``compare.low_precision_wire``)."""
-    from parity_tests import compare
+    """float64 bounds, or float32/bf16 bounds whose step-0 part is this model's measured error
+    budget (``error_budget.rows_for``: the rows of this model and crop size, else of its family,
+    else every row); with a bf16/fp16 hook, those adapted to the wire's rounding on ``p.world``
+    ranks (``compare.low_precision_wire``)."""
+    import dataclasses
+
+    from jaxdp.models import family
+    from parity_tests import compare, error_budget
 
     base = compare.DEFAULT_BOUNDS[p.cfg.dtype]
-    if p.cfg.dtype == "bfloat16":
-        from jaxdp.models import family
-
-        base = compare.BFLOAT16_BN if family(p.cfg.model) == "resnet" else compare.BFLOAT16
+    fam = family(p.cfg.model)
+    if p.cfg.dtype == "bfloat16" and fam == "resnet":
+        base = compare.BFLOAT16_BN
+    if p.cfg.dtype in ("float32", "bfloat16"):
+        rows = error_budget.rows_for(fam, p.cfg.model_summary(), p.cfg.image_size)
+        step0 = error_budget.step0_bounds(p.cfg.dtype, rows)
+        base = dataclasses.replace(base, first={c: v for c, v in step0.items() if c in base.first})
     if p.cfg.compress in compare.UNIT_ROUNDOFF:
         return compare.low_precision_wire(base, p.cfg.compress, p.world)
     return base
