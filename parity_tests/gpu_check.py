@@ -255,7 +255,9 @@ def _bench_plan(mode: str, n: int, backend: str, out: str) -> Dict:
             "--global-batch-size", str(cfg["global_batch"]), "--dtype", b["dtype"], "--steps", str(b["steps"]),
             "--warmup", str(b["warmup"]), "--out", os.path.join(out, "bench"), "--tag", "bench"]
     return {"strategy": BENCH_STRATEGY, "n": n, "config": cfg, "status": "PLANNED",
-            "command": f"JAXDP_TORCH_BACKEND={backend} jaxdp bench " + shlex.join(args)}
+            "command": f"JAXDP_TORCH_BACKEND={backend} jaxdp bench " + shlex.join(args),
+            "note": "a smoke test of both sides' step: it runs in the check's process, under parity mode "
+                    "(no XLA autotuning, deterministic cuDNN), so jaxdp bench times the real thing"}
 
 
 # ----------------------------------------------------------------------------- the hardware

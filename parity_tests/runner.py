@@ -44,8 +44,11 @@ predate this process's environment), JAX on the GPUs with
 ``jax_default_matmul_precision="highest"``. ``--backend`` picks the torch side's process
 group: ``auto`` (default; ``JAXDP_TORCH_BACKEND`` if set, else nccl when there is a GPU for
 every torch rank, else gloo), ``nccl`` (an error without one GPU per rank) or ``gloo``
-(torch on the CPU, also on a GPU host). The report states both sides' devices, the
-backend and the TF32 flags each torch rank ran with. ``make gpu-check``
+(torch on the CPU, also on a GPU host). Both sides run in parity mode
+(``parity_tests.parity_mode``: deterministic cuDNN engines chosen by heuristics, not
+XLA's autotuner; set by ``jaxdp parity`` before JAX starts). The report states both
+sides' devices, the backend, the TF32 and cuDNN flags each torch rank ran with, and whether
+XLA started with parity mode's flags. ``make gpu-check``
 (``parity_tests.gpu_check``) runs the whole set on every visible GPU.
 
 Nothing here imports jax or torch at module level: ``jaxdp parity --devices N`` must set
@@ -126,23 +129,23 @@ class ParityResult:
 
 
 def bounds_for(p: Plan):
-    """float64 bounds, or float32/bf16 bounds whose step-0 part is this model's measured error
-    budget (``error_budget.rows_for``: the rows of this model and crop size, else of its family,
-    else every row); with a bf16/fp16 hook, those adapted to the wire's rounding on ``p.world``
-    ranks (``compare.low_precision_wire``)."""
+    """float64 or float32/bf16 bounds (``compare.DEFAULT_BOUNDS``), each float32/bf16 step-0 bound
+    raised to this model's measured error budget where that is larger (``error_budget.rows_for``:
+    the rows of this model and crop size); with a bf16/fp16 hook, those adapted to the wire's
+    rounding on ``p.world`` ranks (``compare.low_precision_wire``)."""
     import dataclasses
 
     from jaxdp.models import family
     from parity_tests import compare, error_budget
 
     base = compare.DEFAULT_BOUNDS[p.cfg.dtype]
-    fam = family(p.cfg.model)
-    if p.cfg.dtype == "bfloat16" and fam == "resnet":
+    if p.cfg.dtype == "bfloat16" and family(p.cfg.model) == "resnet":
         base = compare.BFLOAT16_BN
     if p.cfg.dtype in ("float32", "bfloat16"):
-        rows = error_budget.rows_for(fam, p.cfg.model_summary(), p.cfg.image_size)
-        step0 = error_budget.step0_bounds(p.cfg.dtype, rows)
-        base = dataclasses.replace(base, first={c: v for c, v in step0.items() if c in base.first})
+        budget = error_budget.step0_bounds(p.cfg.dtype, error_budget.rows_for(p.cfg.model_summary(), p.cfg.image_size))
+        if any(budget.get(c, 0.0) > v for c, v in base.first.items()):
+            base = dataclasses.replace(base, first={c: max(v, budget.get(c, 0.0)) for c, v in base.first.items()},
+                                       name=f"{base.name}, raised to the measured budget")
     if p.cfg.compress in compare.UNIT_ROUNDOFF:
         return compare.low_precision_wire(base, p.cfg.compress, p.world)
     return base
