@@ -332,3 +332,21 @@ def test_gpu_check_simulate_runs_a_pair_on_gloo(tmp_path):
                for r in dev["torch_ranks"])
     assert json.loads((out / "pairs" / "ddp-float64-n2-simulated" / "report.json").read_text())["passed"] is True
     assert (out / "report.md").read_text().startswith("# gpu-check: PASS")
+
+
+def test_make_gpu_check_uses_the_python_at_hand_without_installing(tmp_path):
+    """A GPU image after ``pip install --no-deps -e .``: jax and torch import, so make runs the check
+    with that python and installs nothing (no network there)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "plan"
+    proc = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PYTHON={sys.executable}", "VENV=/nonexistent",
+                           f"GPU_CHECK_ARGS=--dry-run --devices 1 --no-realistic --out {out}"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"gpu-check with {sys.executable}\n") and "pip" not in proc.stdout + proc.stderr
+    plan = json.loads((out / "report.json").read_text())
+    assert (plan["status"], plan["n"], plan["simulated_n"]) == ("DRY RUN", 1, [2, 3])
