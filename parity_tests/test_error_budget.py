@@ -28,8 +28,11 @@ def test_bounds_are_the_margin_times_both_sides_errors():
     other = dict(ROW, model="n", jax={"float32": {"loss": 1e-6, "grads": 1e-7}})
     both = step0_bounds("float32", [ROW, other])  # the envelope; each rank's loss as the loss
     assert both == pytest.approx({"loss": 4 * 1.3e-6, "grads": 4 * 3e-6, "loss_per_rank": 4 * 1.3e-6})
-    assert rows_for("n", 8, [ROW, other]) == [other]  # its own model and crop, or nothing
-    assert rows_for("n", 16, [ROW, other]) == []
+    assert rows_for("n", 8, rows=[ROW, other]) == [other]  # its own model and crop, or nothing
+    assert rows_for("n", 16, rows=[ROW, other]) == []
+    sgd = dict(other, optim=("sgd", 0.05, "constant"))
+    assert rows_for("n", 8, ("sgd", 0.05, "constant"), [sgd]) == [sgd]  # and its optimizer, if asked
+    assert rows_for("n", 8, ("sgd", 0.1, "constant"), [sgd]) == []
 
 
 def test_a_bound_is_never_below_the_models_measured_budget(monkeypatch):
@@ -38,15 +41,17 @@ def test_a_bound_is_never_below_the_models_measured_budget(monkeypatch):
     from parity_tests.plan import plan
     from parity_tests.runner import bounds_for
 
-    tiny = ParityConfig(dtype="float32", devices=2, width=4, blocks=(1, 1, 1, 1), image_size=16)
-    budget = step0_bounds("float32", rows_for(tiny.model_summary(), 16))
+    tiny = ParityConfig(dtype="float32", devices=2, width=4, blocks=(1, 1, 1, 1), image_size=16, optimizer="sgd",
+                        lr=0.05)
+    budget = step0_bounds("float32", rows_for(tiny.model_summary(), 16, ("sgd", 0.05, "constant")))
     assert budget and all(budget[c] < v for c, v in compare.FLOAT32.first.items() if c in budget)
     assert bounds_for(plan(tiny)) is compare.FLOAT32
 
     wide = dataclasses.replace(tiny, width=8)
     noisy = {"float32": {"loss": 1e-7, "grads": 2e-3, "params": 1e-6}}
     monkeypatch.setattr(error_budget, "MEASURED", MEASURED + [
-        {"family": "resnet", "model": wide.model_summary(), "image_size": 16, "jax": noisy, "torch": noisy}])
+        {"family": "resnet", "model": wide.model_summary(), "image_size": 16, "optim": ("sgd", 0.05, "constant"),
+         "jax": noisy, "torch": noisy}])
     raised = bounds_for(plan(wide))
     assert raised.first == {**compare.FLOAT32.first, "grads": 4 * 4e-3}
     assert raised.name == "float32, raised to the measured budget" and raised.later == compare.FLOAT32.later
