@@ -91,9 +91,9 @@ FLOAT64 = Bounds(
 
 # float32 and bfloat16 bounds at step 0 are checked against the error budget
 # (``parity_tests.error_budget``): each side's error against its own float64 run of the same
-# weights and batches, measured per model (``error_budget.MEASURED``). A run's step-0 bound per
+# weights and batches, measured per model (``budgets.MEASURED``). A run's step-0 bound per
 # category is the larger of the constant below and 4 x (jaxdp's + torch's measured error) for
-# its model and crop size (``runner.bounds_for``): no bound sits below what rounding alone
+# its model, crop size and optimizer (``runner.bounds_for``): no bound sits below what rounding alone
 # produces for that model. For the tiny ResNet the budget's bound is ~1e-5 (grads) against the
 # 5e-3 below; it does not replace the constants because it does not cover Adam's first step
 # at N > 1 (docs/parity.md: the N = 1 budget predicts SGD's worst pair within 1.2x, but

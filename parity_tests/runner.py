@@ -130,20 +130,20 @@ class ParityResult:
 
 def bounds_for(p: Plan):
     """float64 or float32/bf16 bounds (``compare.DEFAULT_BOUNDS``), each float32/bf16 step-0 bound
-    raised to this model's measured error budget where that is larger (``error_budget.rows_for``:
+    raised to this model's measured error budget where that is larger (``budgets.rows_for``:
     the rows of this model, crop size, optimizer, lr and schedule); with a bf16/fp16 hook, those adapted to the wire's
     rounding on ``p.world`` ranks (``compare.low_precision_wire``)."""
     import dataclasses
 
     from jaxdp.models import family
-    from parity_tests import compare, error_budget
+    from parity_tests import budgets, compare
 
     base = compare.DEFAULT_BOUNDS[p.cfg.dtype]
     if p.cfg.dtype == "bfloat16" and family(p.cfg.model) == "resnet":
         base = compare.BFLOAT16_BN
     if p.cfg.dtype in ("float32", "bfloat16"):
-        rows = error_budget.rows_for(p.cfg.model_summary(), p.cfg.image_size, (p.cfg.optimizer, p.cfg.lr, p.cfg.schedule))
-        budget = error_budget.step0_bounds(p.cfg.dtype, rows)
+        rows = budgets.rows_for(p.cfg.model_summary(), p.cfg.image_size, (p.cfg.optimizer, p.cfg.lr, p.cfg.schedule))
+        budget = budgets.step0_bounds(p.cfg.dtype, rows)
         if any(budget.get(c, 0.0) > v for c, v in base.first.items()):
             base = dataclasses.replace(base, first={c: max(v, budget.get(c, 0.0)) for c, v in base.first.items()},
                                        name=f"{base.name}, raised to the measured budget")

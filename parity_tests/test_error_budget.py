@@ -1,14 +1,15 @@
-"""The error budget (``parity_tests.error_budget``): each side against its own float64 run, and
-the float32/bf16 bounds it raises (``runner.bounds_for``)."""
+"""The error budget (``parity_tests.error_budget``): each side against its own float64 run; the
+measured rows (``parity_tests.budgets``) and the float32/bf16 bounds they raise (``runner.bounds_for``)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from parity_tests import compare, error_budget
+from parity_tests import budgets, compare, error_budget
+from parity_tests.budgets import MARGIN, MEASURED, bounds_from_budget, rows_for, step0_bounds
 from parity_tests.config import ParityConfig
-from parity_tests.error_budget import MARGIN, MEASURED, bounds_from_budget, rows_for, side_errors, step0_bounds
+from parity_tests.error_budget import side_errors
 
 ROW = {"family": "resnet", "model": "m", "image_size": 8,
        "jax": {"float32": {"loss": 1e-7, "grads": 2e-6}}, "torch": {"float32": {"loss": 3e-7, "grads": 1e-6}}}
@@ -49,7 +50,7 @@ def test_a_bound_is_never_below_the_models_measured_budget(monkeypatch):
 
     wide = dataclasses.replace(tiny, width=8)
     noisy = {"float32": {"loss": 1e-7, "grads": 2e-3, "params": 1e-6}}
-    monkeypatch.setattr(error_budget, "MEASURED", MEASURED + [
+    monkeypatch.setattr(budgets, "MEASURED", MEASURED + [
         {"family": "resnet", "model": wide.model_summary(), "image_size": 16, "optim": ("sgd", 0.05, "constant"),
          "jax": noisy, "torch": noisy}])
     raised = bounds_for(plan(wide))
@@ -66,7 +67,7 @@ def test_measure_runs_each_side_against_its_own_float64():
     budget = error_budget.measure(cfg, ["float32"], log=lambda *_: None)
     for side in ("jax", "torch"):
         (step0,) = budget["sides"][side]["float32"]
-        assert set(step0) == set(error_budget.CATEGORIES)
+        assert set(step0) == set(budgets.CATEGORIES)
         assert all(0 < e < 1e-4 for e in step0.values()), (side, step0)
     assert budget["derived_bounds"]["float32"]["grads"] == pytest.approx(
         MARGIN * (budget["sides"]["jax"]["float32"][0]["grads"] + budget["sides"]["torch"]["float32"][0]["grads"]))
@@ -77,4 +78,4 @@ def test_the_docs_show_the_measured_budget():
 
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "parity.md")
     with open(docs) as f:
-        assert error_budget.measured_table() in f.read()
+        assert budgets.measured_table() in f.read()
