@@ -380,10 +380,11 @@ def overall(plan: CheckPlan) -> str:
         and any(s == "PASS" for s in statuses) else "FAIL"
 
 
-def run_simulated(plan: CheckPlan, log=print) -> None:
+def run_simulated(plan: CheckPlan, log=print, timeout_s: Optional[float] = None) -> None:
     """The plan's simulated CPU pairs, in a child process (``--simulate``): this one's JAX is on
     the GPU, and a process's JAX devices are fixed when it starts. Fills those pairs from the
-    child's report."""
+    child's report (written after each pair); past ``timeout_s`` the child is stopped and the
+    pairs it did not reach are SKIPPED (the time budget), not failed."""
     sims = [p for p in plan.pairs if p.where == "simulated cpu"]
     if not sims:
         return
@@ -395,7 +396,12 @@ def run_simulated(plan: CheckPlan, log=print) -> None:
     env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", JAXDP_TORCH_BACKEND="gloo")
     log(f"[simulated] {shlex.join(argv[1:])}  (JAX_PLATFORMS=cpu, torch on gloo)")
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+        late = ""
+    except subprocess.TimeoutExpired as e:
+        proc = subprocess.CompletedProcess(argv, "timeout", e.stdout or "", e.stderr or "")
+        late = f"time budget: the simulated part was stopped after {timeout_s:.0f} s (--budget 0: no limit)"
     done = {}
     try:
         with open(os.path.join(out, "report.json")) as f:
@@ -404,7 +410,9 @@ def run_simulated(plan: CheckPlan, log=print) -> None:
         pass
     for pair in sims:
         got = done.get(pair.id)
-        if got is None or got["status"] == "PLANNED":
+        if (got is None or got["status"] == "PLANNED") and late:
+            pair.status, pair.message = "SKIPPED", late
+        elif got is None or got["status"] == "PLANNED":
             pair.status = "ERROR"
             pair.message = f"the simulated run (exit {proc.returncode}) did not report it: {proc.stderr[-800:]}"
         else:
@@ -680,7 +688,8 @@ def run(plan: CheckPlan, png: bool = True, log=print) -> str:
             log(f"    {pair.status}: {pair.message} ({pair.seconds:.1f}s, estimated {pair.estimate_s:.0f}s)")
             write(plan)  # a report after every pair: an interrupted check still has one
         if plan.mode != "simulate":
-            run_simulated(plan, log)
+            left = plan.budget_s - (time.perf_counter() - start + STARTUP_S) if plan.budget_s else None
+            run_simulated(plan, log, None if left is None else max(left, 60.0))
             write(plan)
         if plan.bench:
             log(f"[bench] {plan.bench['command']}")

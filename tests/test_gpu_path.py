@@ -350,3 +350,33 @@ def test_make_gpu_check_uses_the_python_at_hand_without_installing(tmp_path):
     assert proc.stdout.startswith(f"gpu-check with {sys.executable}\n") and "pip" not in proc.stdout + proc.stderr
     plan = json.loads((out / "report.json").read_text())
     assert (plan["status"], plan["n"], plan["simulated_n"]) == ("DRY RUN", 1, [2, 3])
+
+
+def test_gpu_check_simulated_part_is_read_from_the_child_and_stopped_by_the_budget(gpus, tmp_path, monkeypatch):
+    """The one-GPU plan's simulated pairs come from the child's report; those it did not reach
+    within the budget are SKIPPED (named, not failed), and the check's status follows the rest."""
+    import subprocess
+
+    from parity_tests import gpu_check
+
+    gpus(1)
+    plan = gpu_check.make_plan("gpu", 1, "nccl", ["float64"], ["ddp", "zero3"], str(tmp_path), realistic=False)
+    sims = [p for p in plan.pairs if p.where == "simulated cpu"]
+    assert [p.id for p in sims] == ["ddp-float64-n2-simulated", "zero3-float64-n2-simulated",
+                                    "ddp-float64-n3-simulated", "zero3-float64-n3-simulated"]
+    seen = {}
+
+    def child(argv, env, timeout, **kwargs):  # wrote one pair's result, then ran out of time
+        seen.update(argv=argv[1:], env={k: env[k] for k in ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")}, timeout=timeout)
+        (tmp_path / "simulated").mkdir()
+        done = dict(gpu_check.asdict(sims[0]), status="PASS", message="parity OK", seconds=3.0, details={})
+        (tmp_path / "simulated" / "report.json").write_text(json.dumps({"pairs": [done]}))
+        raise subprocess.TimeoutExpired(argv, timeout)
+
+    monkeypatch.setattr(subprocess, "run", child)
+    gpu_check.run_simulated(plan, log=lambda *_: None, timeout_s=90.0)
+    assert seen["argv"][:4] == ["-m", "parity_tests.gpu_check", "--simulate", "2,3"]
+    assert seen["env"] == {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""} and seen["timeout"] == 90.0
+    assert [p.status for p in sims] == ["PASS", "SKIPPED", "SKIPPED", "SKIPPED"]
+    assert sims[1].message.startswith("time budget: the simulated part was stopped after 90 s")
+    assert gpu_check.overall(plan) == "PASS"
