@@ -62,12 +62,13 @@ def test_a_bound_is_never_below_the_models_measured_budget(monkeypatch):
 @pytest.mark.slow
 def test_measure_runs_each_side_against_its_own_float64():
     """A real budget, tiny: float32 is float32-close to float64 on each side, never equal to it."""
-    cfg = ParityConfig(width=4, blocks=(1, 1, 1, 1), image_size=8, batch_per_device=4, steps=1,
-                       optimizer="sgd", lr=0.05, momentum=0.9)
+    # a one-block ViT (no BatchNorm buffers): four small compiles instead of four ResNets'
+    cfg = ParityConfig(model="vit-tiny", depth=1, dim=8, heads=2, mlp_dim=16, patch=4, image_size=8,
+                       batch_per_device=4, steps=1, optimizer="sgd", lr=0.05, momentum=0.9)
     budget = error_budget.measure(cfg, ["float32"], log=lambda *_: None)
     for side in ("jax", "torch"):
         (step0,) = budget["sides"][side]["float32"]
-        assert set(step0) == set(budgets.CATEGORIES)
+        assert set(step0) == set(budgets.CATEGORIES) - {"buffers"}
         assert all(0 < e < 1e-4 for e in step0.values()), (side, step0)
     assert budget["derived_bounds"]["float32"]["grads"] == pytest.approx(
         MARGIN * (budget["sides"]["jax"]["float32"][0]["grads"] + budget["sides"]["torch"]["float32"][0]["grads"]))
