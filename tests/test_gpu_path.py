@@ -9,6 +9,7 @@ started. One real 2-rank gloo launch shows the variables reach the ranks, and on
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -201,6 +202,10 @@ def test_parity_backend_flag_reaches_the_torch_launch(gpus, monkeypatch, capsys)
     monkeypatch.setattr("torch_ref.launcher.run_steps", fake_run_steps)
     # (not the real one: it would set XLA's matmul precision for the rest of the session)
     monkeypatch.setattr(runner, "configure_precision", lambda cuda: seen.update(cuda=cuda))
+    for k in ("XLA_FLAGS", "TF_ENABLE_WINOGRAD_NONFUSED", "NVIDIA_TF32_OVERRIDE"):  # parity mode's, restored after
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+        if not os.environ[k]:
+            monkeypatch.delenv(k)
     with pytest.raises(SystemExit):
         main(["parity", "--strategy", "ddp", "--devices", "2", "--steps", "1", "--backend", "nccl"])
     assert seen == {"world": 2, "backend": "nccl", "cuda": True, "rank_setup": "torch_rank_setup",

@@ -22,8 +22,9 @@ PARITY_ENV = {"TF_ENABLE_WINOGRAD_NONFUSED": "0", "NVIDIA_TF32_OVERRIDE": "0"}
 def clean_env(monkeypatch):
     """No parity variables yet, one XLA flag of the caller's; parity_mode's record restored."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    for k in PARITY_ENV:
-        monkeypatch.delenv(k, raising=False)
+    for k in PARITY_ENV:  # set, then removed: monkeypatch restores the caller's value (or its absence)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     monkeypatch.setattr(parity_mode, "_late", None)
 
 
