@@ -1,8 +1,8 @@
 # Entry points: `make train` (the quickstart run), `make test` (the suite), on a host with
-# >= 2 NVIDIA GPUs `make gpu-check` (parity of every strategy on every GPU + one bench row,
-# report in runs/gpu-check/), and on any NVIDIA host `make gpu-bench` (<= 5 minutes of GPU
-# time). Each creates .venv and installs the project into it on first use (gpu-bench: only
-# where jax and torch do not import already).
+# NVIDIA GPUs (one or more) `make gpu-check` (parity of every strategy on the GPUs at realistic
+# sizes, report in runs/gpu-check/) and `make gpu-bench` (<= 5 minutes of GPU time, report in
+# runs/gpu-bench/). Each creates .venv and installs the project into it on first use; the two GPU
+# targets first try the python at hand (a GPU image's own jax and torch: nothing to install).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -43,11 +43,18 @@ $(VENV)/.installed-gpu: $(VENV)/.installed
 	touch $@
 
 # JAX must see the GPUs (JAX_PLATFORMS unset) and leave memory to the torch ranks sharing them.
-# Extra options: make gpu-check GPU_CHECK_ARGS="--devices 4" (or --dtypes float64, --no-bench, ...).
+# The python at hand runs it when it imports jax, torch, flax, optax, orbax and jaxdp (a stock
+# GPU image after `pip install --no-deps -e .`: no network, nothing to install); else .venv,
+# installed first with JAX's CUDA build.
+# Extra options: make gpu-check GPU_CHECK_ARGS="--devices 4" (or --dtypes float64, --budget 0, ...).
 GPU_CHECK_ARGS ?=
-gpu-check: install-gpu
+GPU_CHECK_IMPORTS := import jax, torch, flax, optax, orbax.checkpoint, jaxdp, parity_tests
+gpu-check:
+	@if $(PYTHON) -c "$(GPU_CHECK_IMPORTS)" 2>/dev/null; then py="$(PYTHON)"; \
+	else $(MAKE) install-gpu && py="$(BIN)/python"; fi; \
+	echo "gpu-check with $$py"; \
 	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
-		$(BIN)/python -m parity_tests.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
+		$$py -m parity_tests.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
 
 # The <= 5 minute GPU bench (jaxdp bench --preset gpu --quick; report in runs/gpu-bench/). It uses
 # $(PYTHON) as it is when jax, torch and jaxdp import there (a stock GPU image after

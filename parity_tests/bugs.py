@@ -38,7 +38,7 @@ adam_bias_correction     Adam's bias correction with step + 1:           step 0,
 shard_grad_perturbation  one device's share of ONE gradient,             step 0, ``grads/layer3.0.conv2.weight``,
                          ``layer3.0.conv2.weight``, 1e-6 (relative)      rel err <= 1e-6 (that chunk's share of the
                          too large: rank 0's contribution to the         tensor's largest entry): over float64's
-                         all-reduce, or device 0's chunk of the          1e-10, far under float32's 5e-3. No other
+                         all-reduce, or device 0's chunk of the          1e-10, under float32's ~1e-5.   No other
                          reduce-scattered gradient                       gradient is off
 error_feedback_dropped   PowerSGD's new error computed from this step's  step s + 1 (s = ``powersgd_start_iter``),
                          gradient alone, ``g - out``, not from the       ``comm_state/.../error``: at step s the

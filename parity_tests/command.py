@@ -13,7 +13,7 @@ import sys
 
 from jaxdp.commands import Command
 from jaxdp.flags import comma_floats, comma_ints
-from parity_tests import layouts, report, runner
+from parity_tests import layouts, parity_mode, report, runner
 from parity_tests.config import ParityConfig, ParityError
 from parity_tests.pairs import PAIRS
 
@@ -69,6 +69,9 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
                    help="torch side's process group. auto (default): $JAXDP_TORCH_BACKEND if set, else nccl "
                         "when CUDA has a GPU for every torch rank (rank r on cuda:r), else gloo. nccl without "
                         "enough GPUs is an error; gloo keeps torch on the CPU, also on a GPU host")
+    g.add_argument("--torch-cudnn", choices=("on", "off"), default=d.torch_cudnn,
+                   help="off: torch without cuDNN (its own CUDA convolutions), a slow reference when the "
+                        "question is which convolution engine a side picked (parity_tests.parity_mode)")
     g.add_argument("--inject-bug", default=None, metavar="BUG",
                    help="demo: run jaxdp with a deliberate bug (same_padding | biased_var | "
                         "missing_1_over_n | wrong_shard_bn | late_lr_schedule (needs --schedule "
@@ -96,6 +99,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         simulate_cpu_devices(cfg.devices)  # before jax starts; a no-op once XLA_FLAGS fixes the count
+        parity_mode.enable()  # comparable cuDNN engines on GPUs; also before jax starts
         sizes = parse_mesh(cfg.mesh) if cfg.mesh else {"data": cfg.devices}
         layout = layouts.layout_of(sizes, cfg.microbatches)
         if layout in layouts.RUNNERS:

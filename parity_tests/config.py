@@ -38,6 +38,7 @@ class ParityConfig(OptimizerOptions, ModelOptions, StrategyOptions):
     # the harness
     timeout_s: float = 300.0
     backend: str = "auto"  # torch side: auto | nccl | gloo (torch_ref.dist.resolve_backend)
+    torch_cudnn: str = "on"  # on | off: torch's own CUDA convolutions as a reference (parity_mode)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -77,6 +77,8 @@ def plan(cfg: ParityConfig) -> Plan:
             raise ParityError(f"--compress powersgd has no parity run for {cfg.strategy!r}: its PowerSGD "
                               "cannot be seeded with torch's initial Q (use ddp or zero1)")
         _plan_powersgd(p)
+    if cfg.torch_cudnn == "off":
+        notes.append("torch without cuDNN (--torch-cudnn off): its own CUDA convolutions, as a reference")
     if full_batch and cfg.strategy != "ddp":
         notes.append(f"torch runs '{torch_strategy}' on one rank with the full batch")
     return p
@@ -99,6 +101,8 @@ def _checked_pair(cfg: ParityConfig) -> Pair:
     if cfg.batch_per_device % cfg.accum_steps:
         raise ParityError(f"--batch-per-device {cfg.batch_per_device} is not divisible by "
                           f"--accum-steps {cfg.accum_steps}")
+    if cfg.torch_cudnn not in ("on", "off"):
+        raise ParityError(f"--torch-cudnn must be on or off, got {cfg.torch_cudnn!r}")
     if not 1 <= cfg.image_size <= 32:
         raise ParityError(f"--image-size must be in 1..32 (a centre crop of the 32x32 images), got {cfg.image_size}")
     defaults = ParityConfig()

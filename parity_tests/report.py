@@ -16,6 +16,8 @@ import platform
 import sys
 from typing import List, Optional
 
+from parity_tests import parity_mode
+
 
 def environment(cuda: bool = False, plan=None) -> dict:
     """Versions and devices, so a report says where its numbers came from; with ``plan``,
@@ -59,7 +61,8 @@ def devices(plan) -> dict:
         jax_tf32 = "unknown"
     ranks = torch_ranks(plan) or []
     out["torch_ranks"] = [{k: r.get(k) for k in ("rank", "device", "device_name", "backend",
-                                                 "matmul_allow_tf32", "cudnn_allow_tf32", "tf32_off")}
+                                                 "matmul_allow_tf32", "cudnn_allow_tf32", "tf32_off",
+                                                 "cudnn_deterministic", "cudnn_benchmark", "cudnn_enabled")}
                           | {"LOCAL_RANK": r.get("env", {}).get("LOCAL_RANK"),
                              "NVIDIA_TF32_OVERRIDE": r.get("env", {}).get("NVIDIA_TF32_OVERRIDE")}
                           for r in ranks]
@@ -71,6 +74,7 @@ def devices(plan) -> dict:
         torch_tf32 = "off (CPU: no TF32)"
     else:
         torch_tf32 = "off (allow_tf32=False for matmul and cuDNN, NVIDIA_TF32_OVERRIDE=0, in every rank)"
+    out["parity_mode"] = parity_mode.summary()  # the XLA flags and variables (parity_tests.parity_mode)
     verdicts = (jax_tf32, torch_tf32)
     out["tf32"] = {"jaxdp": jax_tf32, "torch": torch_tf32,  # True, False, or None: not known
                    "off_on_both_sides": (True if all(v.startswith("off") for v in verdicts) else

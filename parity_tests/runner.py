@@ -44,8 +44,11 @@ predate this process's environment), JAX on the GPUs with
 ``jax_default_matmul_precision="highest"``. ``--backend`` picks the torch side's process
 group: ``auto`` (default; ``JAXDP_TORCH_BACKEND`` if set, else nccl when there is a GPU for
 every torch rank, else gloo), ``nccl`` (an error without one GPU per rank) or ``gloo``
-(torch on the CPU, also on a GPU host). The report states both sides' devices, the
-backend and the TF32 flags each torch rank ran with. ``make gpu-check``
+(torch on the CPU, also on a GPU host). Both sides run in parity mode
+(``parity_tests.parity_mode``: deterministic cuDNN engines chosen by heuristics, not
+XLA's autotuner; set by ``jaxdp parity`` before JAX starts). The report states both
+sides' devices, the backend, the TF32 and cuDNN flags each torch rank ran with, and whether
+XLA started with parity mode's flags. ``make gpu-check``
 (``parity_tests.gpu_check``) runs the whole set on every visible GPU.
 
 Nothing here imports jax or torch at module level: ``jaxdp parity --devices N`` must set
@@ -126,18 +129,40 @@ class ParityResult:
 
 
 def bounds_for(p: Plan):
-    """float64 or float32 bounds (``compare.DEFAULT_BOUNDS``); with a bf16/fp16 hook, those
-    adapted to the wire's rounding on ``p.world`` ranks (``compare.low_precision_wire``)."""
-    from parity_tests import compare
+    """float64 or float32/bf16 bounds (``compare.DEFAULT_BOUNDS``), each float32/bf16 step-0 bound
+    raised to this model's measured error budget where that is larger (``budgets.rows_for``:
+    the rows of this model, crop size, optimizer, lr and schedule); with a bf16/fp16 hook, those adapted to the wire's
+    rounding on ``p.world`` ranks (``compare.low_precision_wire``)."""
+    import dataclasses
+
+    from jaxdp.models import family
+    from parity_tests import budgets, compare
 
     base = compare.DEFAULT_BOUNDS[p.cfg.dtype]
-    if p.cfg.dtype == "bfloat16":
-        from jaxdp.models import family
-
-        base = compare.BFLOAT16_BN if family(p.cfg.model) == "resnet" else compare.BFLOAT16
+    if p.cfg.dtype == "bfloat16" and family(p.cfg.model) == "resnet":
+        base = compare.BFLOAT16_BN
+    if p.cfg.dtype in ("float32", "bfloat16"):
+        rows = budgets.rows_for(p.cfg.model_summary(), p.cfg.image_size, (p.cfg.optimizer, p.cfg.lr, p.cfg.schedule))
+        budget = budgets.step0_bounds(p.cfg.dtype, rows)
+        if any(budget.get(c, 0.0) > v for c, v in base.first.items()):
+            base = dataclasses.replace(base, first={c: max(v, budget.get(c, 0.0)) for c, v in base.first.items()},
+                                       name=f"{base.name}, raised to the measured budget")
     if p.cfg.compress in compare.UNIT_ROUNDOFF:
         return compare.low_precision_wire(base, p.cfg.compress, p.world)
     return base
+
+
+def _note_parity_mode(p: Plan) -> None:
+    """On a GPU, say so in the report when XLA started without parity mode's flags (jax's
+    backend existed before ``parity_mode.enable``): its convolutions were then autotuned."""
+    import jax
+
+    from parity_tests import parity_mode
+
+    if jax.default_backend() == "gpu" and not parity_mode.xla_flags_in_effect():
+        p.notes.append("parity mode's XLA flags were NOT in effect (jax's backend started before "
+                       f"parity_tests.parity_mode.enable): set XLA_FLAGS='{' '.join(parity_mode.XLA_FLAGS)}' "
+                       "before jax starts, or run jaxdp parity / python -m parity_tests.gpu_check")
 
 
 def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
@@ -155,6 +180,7 @@ def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
     # Refused before anything runs: a bug that cannot apply would only "pass".
     injected = bugs.injection(bug, cfg) if bug is not None else contextlib.nullcontext()
     configure_precision(p.cuda)
+    _note_parity_mode(p)
     t0 = time.perf_counter()
     sd = init_state_dict(cfg)
     batches = make_batches(cfg)

@@ -7,6 +7,7 @@ Nothing here imports torch at module level.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,7 +37,9 @@ def torch_records(p: Plan, state_dict: Mapping[str, np.ndarray], batches: Sequen
 
 def run_torch(p: Plan, state_dict: Mapping[str, np.ndarray],
               batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
-    """K torch_ref steps on ``p.world`` ranks (``torch_ref.launcher.run_steps``)."""
+    """K torch_ref steps on ``p.world`` ranks (``torch_ref.launcher.run_steps``), each in parity
+    mode (``parity_mode.torch_rank_setup``: cuDNN's deterministic heuristic engines, no TF32)."""
+    from parity_tests.parity_mode import torch_rank_setup
     from torch_ref.launcher import run_steps
 
     if p.full_batch or p.world == 1:
@@ -45,7 +48,8 @@ def run_torch(p: Plan, state_dict: Mapping[str, np.ndarray],
         feed = list(batches)
     info: Dict[str, Any] = {}
     records = run_steps(p.world, p.torch_config, dict(state_dict), feed, timeout_s=p.cfg.timeout_s,
-                        backend=p.backend, info=info)
+                        backend=p.backend, info=info,
+                        rank_setup=functools.partial(torch_rank_setup, cudnn=p.cfg.torch_cudnn == "on"))
     p.torch_ranks = _TORCH_RANKS[torch_cache_key(p)] = info["ranks"]
     return records
 
@@ -63,4 +67,4 @@ def torch_cache_key(p: Plan) -> str:
     tc = {k: (sorted((n, v.tobytes()) for n, v in val.items()) if k == "powersgd_q" else val)
           for k, val in p.torch_config.items()}
     return repr((p.world, p.full_batch, sorted(tc.items(), key=lambda kv: kv[0]), c.devices,
-                 c.batch_per_device, c.image_size, c.dataset_size, c.seed, c.steps, p.backend))
+                 c.batch_per_device, c.image_size, c.dataset_size, c.seed, c.steps, p.backend, c.torch_cudnn))

@@ -210,6 +210,10 @@ def check_module(module, args):
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_args(parser)
         parse(parser, args)
+    elif module == "parity_tests.error_budget":
+        from parity_tests.error_budget import build_parser
+
+        parse(build_parser(), args)
     elif module == "torch_ref.train":
         from torch_ref.train import build_parser
 

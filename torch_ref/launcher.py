@@ -90,14 +90,18 @@ def rank_info() -> dict:
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "cudnn_enabled": bool(torch.backends.cudnn.enabled),
             "tf32_off": dev.type != "cuda" or not (torch.backends.cuda.matmul.allow_tf32
                                                    or torch.backends.cudnn.allow_tf32)}
 
 
 def _worker(rank: int, world: int, workdir: str, backend: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple) -> None:
-    """One rank: torchrun's variables, TF32 off on CUDA, the process group, ``fn(*args)``;
-    its return value and ``rank_info()`` are pickled to ``result<rank>.pkl``."""
+            fn: Callable[..., Any], args: tuple, rank_setup: Optional[Callable[[Any], None]] = None) -> None:
+    """One rank: torchrun's variables, TF32 off on CUDA, ``rank_setup(device)`` if given, the
+    process group, ``fn(*args)``; its return value and ``rank_info()`` are pickled to
+    ``result<rank>.pkl``."""
     code = 1
     stacks = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # for _wait on a hang
@@ -109,6 +113,8 @@ def _worker(rank: int, world: int, workdir: str, backend: str, timeout_s: float,
         from torch_ref import dist as tdist
 
         no_tf32(tdist.device(backend))
+        if rank_setup is not None:
+            rank_setup(tdist.device(backend))
         tdist.init(timeout_s, init_method="file://" + os.path.join(workdir, "store"),
                    rank=rank, world_size=world, backend=backend)
         info = rank_info()
@@ -164,12 +170,14 @@ def no_tf32(device) -> bool:
 
 def run_ranks(world_size: int, fn: Callable[..., Any], rank_args: Optional[Sequence[tuple]] = None, *,
               backend: Optional[str] = None, timeout_s: float = 300.0,
-              info: Optional[dict] = None) -> List[Any]:
+              info: Optional[dict] = None, rank_setup: Optional[Callable[[Any], None]] = None) -> List[Any]:
     """Start ``world_size`` ranks, run ``fn(*rank_args[r])`` in rank r inside the process
     group, return every rank's return value (rank order). ``fn`` must be picklable (a
     module-level function). ``backend``: auto (default) | nccl | gloo, resolved here
     (``torch_ref.dist.resolve_backend``; ``BackendError`` in one line if impossible).
     ``info``: if given, filled with ``backend`` and ``ranks`` (each rank's ``rank_info``).
+    ``rank_setup``: a picklable ``f(device)`` each rank calls before its process group starts
+    (parity's cuDNN settings: ``parity_tests.parity_mode.torch_rank_setup``).
     Raises ``LaunchError`` (with the failing rank's traceback) on failure or timeout."""
     from torch_ref.dist import resolve_backend
 
@@ -185,7 +193,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], rank_args: Optional[Seque
     try:
         for r in range(world_size):
             p = ctx.Process(target=_worker, name=f"torch_ref-rank{r}", daemon=True,
-                            args=(r, world_size, workdir, name, timeout_s, fn, tuple(rank_args[r])))
+                            args=(r, world_size, workdir, name, timeout_s, fn, tuple(rank_args[r]), rank_setup))
             p.start()
             procs.append(p)
         _wait(procs, workdir, timeout_s)
@@ -204,14 +212,14 @@ def run_ranks(world_size: int, fn: Callable[..., Any], rank_args: Optional[Seque
 def run_steps(world_size: int, config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]],
               batches_per_step: Sequence[Tuple[np.ndarray, np.ndarray]], *, timeout_s: float = 300.0,
               collect: Collect = "all", backend: Optional[str] = None,
-              info: Optional[dict] = None) -> List[dict]:
+              info: Optional[dict] = None, rank_setup: Optional[Callable[[Any], None]] = None) -> List[dict]:
     """Spawn ``world_size`` ranks, run one ``Runner.step`` per batch, return rank 0's dicts.
 
     ``batches_per_step``: a sequence of ``(images, labels)`` with images
     (world, b, 32, 32, 3) and labels (world, b); each rank receives only its own rows.
     ``collect``: "all" (full record every step), "last", "loss" (losses, accuracy and lr
     only, no gathers) or an iterable of step indices to record in full.
-    ``backend``, ``info``: as ``run_ranks``.
+    ``backend``, ``info``, ``rank_setup``: as ``run_ranks``.
     Raises ``LaunchError`` (with the failing rank's traceback) on failure or timeout.
     """
     if world_size < 1:
@@ -227,7 +235,7 @@ def run_steps(world_size: int, config: Mapping[str, Any], init_state_dict: Optio
     steps = _collect_steps(collect, len(batches_per_step))
     state = dict(config), init_state_dict
     results = run_ranks(world_size, _steps, [(*state, per_rank[r], steps) for r in range(world_size)],
-                        backend=backend, timeout_s=timeout_s, info=info)
+                        backend=backend, timeout_s=timeout_s, info=info, rank_setup=rank_setup)
     return results[0]
 
 
