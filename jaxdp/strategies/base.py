@@ -418,15 +418,20 @@ class Strategy:
         """What ``jaxdp.clip_by_global_norm`` and ``jaxdp.global_mean`` need to know inside the step:
         the optimizer sees chunks exactly when its state is sharded (ZeRO-1/2/3, HSDP), slices beside
         a model or stage axis; with whole gradients (ddp, dp, async) the plain local sum is the global one."""
-        cut = self.sharded_opt_state or self.tp is not None
         return reductions.StepContext(
             batch_axes=self.batch_axes, num_devices=self.num_devices, accum_steps=self.accum_steps,
-            sum_of_squares=(lambda tree: self.global_sum_of_squares(tree, self.sharded_opt_state)) if cut else None)
+            sum_of_squares=((lambda tree: self.global_sum_of_squares(tree, self.sharded_opt_state))
+                            if self._optimizer_sees_parts else None))
+
+    @property
+    def _optimizer_sees_parts(self) -> bool:
+        """The optimizer holds a part of each tensor: ZeRO's chunks, or slices over a model or stage axis."""
+        return self.sharded_opt_state or self.tp is not None
 
     def refuse_unshardable_tx(self) -> None:
         """Refuse, in one line, an optimizer that reduces over whole tensors when the optimizer sees
         only a part of each (ZeRO's chunks, tensor or pipeline slices): ``reductions.check_shardable``."""
-        if not (self.sharded_opt_state or self.tp is not None) or self.__dict__.get("_tx_checked"):
+        if not self._optimizer_sees_parts or self.__dict__.get("_tx_checked"):
             return
         self._need_shapes()
         layout_name = self.name if self.sharded_opt_state else f"{self.name} with a model or stage axis"
