@@ -62,7 +62,7 @@ SIMULATED_DTYPES = ("float64",)
 
 SGD = ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--nesterov", "--weight-decay", "5e-4"]
 ADAMW = ["--optimizer", "adamw", "--lr", "1e-3", "--weight-decay", "1e-2"]
-# The model and optimiser of the CPU parity suite (parity_tests/test_parity.py: TINY, SGD):
+# The model and optimiser of the CPU parity suite (parity_tests/cases.py: TINY, SGD):
 # the configuration whose bounds are measured there; "simulate" shrinks it further.
 TINY = {
     "gpu": dict(model="resnet18", width=4, blocks="1,1,1,1", image_size=16, batch_per_device=8, steps=4, opt=SGD),

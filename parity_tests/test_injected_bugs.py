@@ -27,7 +27,7 @@ from parity_tests.bugs import BUGS
 from parity_tests.config import ParityConfig, ParityError
 from parity_tests.pairs import PAIRS
 from parity_tests.runner import run_parity
-from parity_tests.test_parity import ADAM, F64, SGD, TINY
+from parity_tests.cases import ADAM, F64, SGD, TINY
 
 EVERY_BUG_ON = ("ddp-n2-sgd-nesterov-20steps", "zero3-n2-adam")
 # The bugs that show at step 0, at order 1, in both of those (the others need configs of their own).

@@ -1,216 +1,27 @@
-"""Every jaxdp strategy against its PyTorch twin, step by step (``parity_tests.runner``).
+"""Every jaxdp strategy against its PyTorch twin, step by step (``parity_tests.runner``), and the
+harness itself (plan, report, GPU runs).
 
-CPU: jaxdp on simulated devices (root conftest: 8 devices, x64), torch_ref on gloo ranks.
-Model: ResNet-18 layout with width 4 and one block per stage (every code path, a
-fraction of the cost), 16x16 crops, 8 images per device; one ResNet-18 of width 16 with
-the full (2, 2, 2, 2) depth. (test_vit_parity.py: the same for the ViT family.) float64 cases must agree to rel err <= 1e-10 in every tensor
-at every step (measured: <= 2e-13); float32 cases to the measured-noise bounds of
-``compare.FLOAT32``; bf16/fp16 hooks on more than 2 ranks to the wire's rounding
-(``LOW_PRECISION`` below, ``compare.low_precision_wire``).
-
-Cost: each torch launch is a few seconds and each jaxdp strategy compiles once, so the
-cases share what they can: pairs whose twin is the same torch computation (dp, async k=0
-and ddp against DDP; ring against DDP) reuse one torch run (``reuse_torch``), and so do
-the injected-bug tests (test_injected_bugs.py).
+CPU: jaxdp on simulated devices (root conftest: 8 devices, x64), torch_ref on gloo ranks. The
+model, optimizers and float64 cases are ``parity_tests.cases``; this module runs the DDP family
+(ddp, dp, async, ring, compression hooks), which share torch runs (``reuse_torch``), and one
+ResNet-18 of width 16 with the full (2, 2, 2, 2) depth. The other pairs: test_parity_zero.py,
+test_parity_float32.py, test_parity_clip.py; the ViT family: test_vit_parity.py.
 """
-
-import io
 
 import numpy as np
 import pytest
 
-from parity_tests import report
+from parity_tests.cases import SGD, SHORT, assert_parity, check_float64, config, f64_names
 from parity_tests.config import ParityConfig, ParityError
 from parity_tests.inputs import full_batch_order
 from parity_tests.plan import plan
 from parity_tests.runner import run_parity
 
-TINY = dict(model="resnet18", width=4, blocks=(1, 1, 1, 1), image_size=16, batch_per_device=8)
-SGD = dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
-ADAM = dict(optimizer="adam", lr=1e-3, betas=(0.9, 0.99), weight_decay=1e-4)
-ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=1e-2)
-LONG = 20   # steps of the long cases
-SHORT = 4   # steps of the others
-
-F64_ZERO3_N3_ACCUM4 = dict(strategy="zero3", devices=3, accum_steps=4, steps=LONG, **ADAM)
-# name -> config. "ddp-n2-sgd" is also the torch run the dp/async pairs and the injected
-# bugs reuse; "ddp-n4-adam" the one the ring all-reduce reuses.
-F64 = {
-    "ddp-n2-sgd-nesterov-20steps": dict(strategy="ddp", devices=2, steps=LONG, **SGD),
-    "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
-    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum_steps=2, steps=SHORT, **ADAMW),
-    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum_steps=2, steps=SHORT, **SGD),
-    "dp-n2": dict(strategy="dp", devices=2, steps=LONG, **SGD),
-    "async-k0-n2": dict(strategy="async", devices=2, steps=LONG, **SGD),
-    "ddp-ring-n4": dict(strategy="ddp", devices=4, allreduce="ring", steps=SHORT, **ADAM),
-    # Every ZeRO pair over LONG steps; N = 3 pads every sharded tensor (jaxdp pads a tensor's
-    # largest dimension, FSDP2 dim 0: the harness compares the unpadded values).
-    "zero1-n2-adamw": dict(strategy="zero1", devices=2, steps=LONG, **ADAMW),
-    "zero2-n2-accum2-sgd": dict(strategy="zero2", devices=2, accum_steps=2, steps=LONG, **SGD),
-    "zero3-n2-adam": dict(strategy="zero3", devices=2, steps=LONG, **ADAM),
-    "hsdp-2x2-sgd": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), steps=LONG, **SGD),
-    "ddp-n3-adam": dict(strategy="ddp", devices=3, steps=SHORT, **ADAM),
-    "dp-n3": dict(strategy="dp", devices=3, steps=SHORT, **ADAM),            # torch: ddp-n3-adam's run
-    "async-k0-n3": dict(strategy="async", devices=3, steps=SHORT, **ADAM),   # torch: ddp-n3-adam's run
-    "zero1-n3-sgd": dict(strategy="zero1", devices=3, steps=LONG, **SGD),
-    "zero2-n3-adamw": dict(strategy="zero2", devices=3, steps=LONG, **ADAMW),
-    # K = 4 micro-batches of 2 images: zero3/hsdp reduce-scatter each, FSDP2 accumulates
-    # unsharded grads under set_requires_gradient_sync(False); the sums must agree.
-    "zero3-n3-accum4-adam": F64_ZERO3_N3_ACCUM4,
-    "hsdp-2x2-accum4-adamw": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), accum_steps=4, steps=LONG, **ADAMW),
-    "hsdp-1x3-sgd": dict(strategy="hsdp", devices=3, mesh_shape=(1, 3), steps=SHORT, **SGD),
-    # Keeping each unit's activations (FSDP2's own default) instead of recomputing the unit: the
-    # same twin, whose run the two cases above reuse. N = 3 pads, K = 4 reduce-scatters per micro-batch.
-    "zero3-n3-accum4-remat_none-adam": dict(F64_ZERO3_N3_ACCUM4, remat="none"),
-    "hsdp-2x2-remat_none-sgd": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), remat="none", steps=LONG, **SGD),
-    "ddp-fp16-hook": dict(strategy="ddp", devices=2, compress="fp16", steps=SHORT, **SGD),
-    "ddp-bf16-hook": dict(strategy="ddp", devices=2, compress="bf16", steps=SHORT, **SGD),
-    # 20 steps of rank-1 PowerSGD: its error feedback and warm-started Q carry every step's
-    # compression error into the next step's gradients, which are compared at every step.
-    "ddp-powersgd-hook-20steps": dict(strategy="ddp", devices=2, compress="powersgd", powersgd_start_iter=2,
-                                      steps=LONG, **SGD),
-    # ZeRO-1 composes DDP's all-reduce, hooks included; torch: ZeroRedundancyOptimizer over a hooked DDP.
-    "zero1-bf16-hook": dict(strategy="zero1", devices=2, compress="bf16", steps=SHORT, **ADAMW),
-    "zero1-powersgd-hook": dict(strategy="zero1", devices=2, compress="powersgd", powersgd_start_iter=2,
-                                steps=SHORT, **ADAMW),
-}
-
-F32_STEPS = 8  # float32 bounds every tensor at step 0 only, then the loss: fewer steps say as much
-# float32: each strategy's float32 program once (float64 above holds every pair to 1e-10; a
-# float32 run adds the float32 code path, x64 off, and its measured-noise bounds).
-F32 = {
-    "ddp-n2-sgd-nesterov": dict(strategy="ddp", devices=2, steps=F32_STEPS, **SGD),
-    "ddp-n4-adam": dict(strategy="ddp", devices=4, steps=SHORT, **ADAM),
-    "ddp-n2-accum2-adamw": dict(strategy="ddp", devices=2, accum_steps=2, steps=SHORT, **ADAMW),
-    "ddp-n2-sync_bn-accum2": dict(strategy="ddp", devices=2, sync_bn=True, accum_steps=2, steps=SHORT, **SGD),
-    "zero1-n2-adamw": dict(F64["zero1-n2-adamw"], steps=F32_STEPS),
-    "zero2-n3-adamw": dict(F64["zero2-n3-adamw"], steps=F32_STEPS),  # padded shards
-    "zero3-n3-accum4-adam": dict(F64["zero3-n3-accum4-adam"], steps=F32_STEPS),  # reduce-scatter per micro-batch
-    "hsdp-2x2-sgd": dict(F64["hsdp-2x2-sgd"], steps=F32_STEPS),
-}
-
-# bf16/fp16 hooks on N > 2 ranks, in float64. The hook's terms fl(fl(g)/N) are the same on
-# both sides, but gloo rounds the SUM at each of its N-1 hops and XLA:CPU once (bf16) or at
-# each hop in another order (fp16), so the averaged gradients differ by up to N u sum|g_i/N|
-# per element (u = 2^-8 bf16, 2^-11 fp16). Hence, at step 0: grads and params within
-# 4 N u (a cancellation allowance of 4: measured rel err / (N u) <= 0.98), optimizer state
-# 8 N u (exp_avg_sq is quadratic in g), loss and BN buffers still 1e-10 (the forward comes
-# before any rounding); later steps only the loss (1%: the rounded gradients move the
-# trajectories apart chaotically, as float32 does); at every step every gradient on both
-# sides an exact bf16/fp16 value, which the bounds alone cannot check. (N = 2: one addition,
-# rounded once by both, so "ddp-bf16-hook" above is held to 1e-10.) compare.py has the numbers.
-LOW_PRECISION = {
-    "ddp-bf16-hook-n4": dict(strategy="ddp", devices=4, compress="bf16", steps=SHORT, **SGD),
-    "ddp-fp16-hook-n3": dict(strategy="ddp", devices=3, compress="fp16", steps=SHORT, **SGD),
-}
-
-# bfloat16 mixed precision with BatchNorm against the FSDP2 twins, whose policies keep every norm
-# layer's params float32 around bf16 blocks (torch_ref.strategies.mixed_precision_policies), as
-# jaxdp's BatchNorm computes on bf16 activations. compare.BFLOAT16_BN: every rank's loss within
-# 2u (u = 2^-8) at every step, the loss curves within 2u. (The ViT's bf16 pairs: test_vit_parity.py.)
-BF16_BN = {
-    "zero2-n2-adam": dict(strategy="zero2", devices=2, steps=SHORT, **ADAM),
-    "zero3-n2-adam": dict(strategy="zero3", devices=2, steps=SHORT, **ADAM),
-    "hsdp-2x2-adam": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), steps=SHORT, **ADAM),
-}
-
-
-# Gradient clipping, torch's clip_grad_norm_ before each optimizer.step() against
-# jaxdp.clip_by_global_norm first in the optax chain, in every layout the optimizer sees:
-# whole gradients (ddp), ZeRO's chunks (padded at N = 3), HSDP replicated (2 x 1) and sharded
-# (1 x 3). On FSDP2's DTensors clip_grad_norm_ takes the global norm. max_norm sits below every
-# step's gradient norm (asserted), so every update is clipped.
-CLIP_NORM = 0.1
-CLIP = {f"{strategy}-n{n}": dict(strategy=strategy, devices=n, steps=2, clip_grad_norm=CLIP_NORM, **SGD)
-        for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp") for n in (2, 3)}
-
-
-def config(dtype, **kw):
-    return ParityConfig(dtype=dtype, **{**TINY, **kw})
-
-
-def assert_parity(result):
-    out = io.StringIO()
-    report.print_report(result, file=out)
-    print(out.getvalue())
-    assert result.passed, out.getvalue()
-
-
-# ----------------------------------------------------------------------------- CPU pairs
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(F64))
+@pytest.mark.parametrize("name", f64_names("ddp", "dp", "async"))
 def test_float64_every_tensor_every_step(name):
-    result = run_parity(config("float64", **F64[name]), reuse_torch=True)
-    assert_parity(result)
-    steps = result.comparison.steps
-    assert len(steps) == F64[name]["steps"]
-    # What was compared: loss, grads, params, BN buffers and optimizer state, every step.
-    cats = {e.category for e in steps[-1].entries}
-    assert {"loss", "grads", "params", "buffers", "optimizer_state"} <= cats
-    if F64[name].get("compress") == "powersgd":
-        # PowerSGD's own state too: every rank's error feedback and the warm-start Qs, by name.
-        keys = [e.key for e in steps[-1].entries if e.category == "comm_state"]
-        assert any(k.endswith("/error") for k in keys) and any(k.endswith("/q") for k in keys), keys
-        torch_errors = result.torch_records[-1]["comm_state"]
-        assert max(np.abs(s["error"]).max() for s in torch_errors.values()) > 0  # compression ran
-    if len(steps) >= 20:
-        # The long cases: after 20 steps the error is still step 0's rounding, two orders
-        # below the bound: nothing drifts. (SGD: ~1e-13 throughout. Adam's first update moves
-        # every weight by ~lr whatever its gradient, so an entry with a near-zero gradient
-        # carries its rounding into the params at step 0: 1.2e-12 for zero3-n2-adam, the
-        # same 1.2e-12 at step 19.)
-        per_step = [s.max_rel() for s in steps]
-        assert max(per_step) <= max(1e-12, 2 * per_step[0]), per_step
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(F32))
-def test_float32_within_measured_noise(name):
-    assert_parity(run_parity(config("float32", **F32[name]), reuse_torch=True))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CLIP))
-def test_clipped_gradients_float64(name):
-    result = run_parity(config("float64", **CLIP[name]))
-    assert_parity(result)
-    for record in result.torch_records:  # the pre-clip norm: the clip acted at every step
-        norm = np.sqrt(sum(float(np.sum(np.square(g))) for g in record["grads"].values()))
-        assert norm > 2 * CLIP_NORM, norm
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LOW_PRECISION))
-def test_low_precision_hook_on_more_than_two_ranks(name):
-    cfg = config("float64", **LOW_PRECISION[name])
-    result = run_parity(cfg, reuse_torch=True)
-    assert_parity(result)
-    assert result.comparison.bounds.wire == cfg.compress
-    first = result.comparison.steps[0]
-    # The forward is the wire's business in no way: float64 agreement.
-    assert first.max_rel("loss") <= 1e-10 and first.max_rel("buffers") <= 1e-10
-    # Every averaged gradient was checked to be a wire value, on both sides, every step.
-    for step in result.comparison.steps:
-        grads = [e.key for e in step.entries if e.category == "grads"]
-        wire = {e.key for e in step.entries if e.category == "wire"}
-        assert wire == {f"wire/{side}/{k[len('grads/'):]}" for side in ("jaxdp", "torch") for k in grads}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(BF16_BN))
-def test_bfloat16_with_batchnorm_against_fsdp2_mixed_precision(name):
-    result = run_parity(config("bfloat16", **BF16_BN[name]), reuse_torch=True)
-    assert_parity(result)
-    assert result.comparison.bounds.name == "bfloat16"
-    first = result.comparison.steps[0]
-    assert {e.category for e in first.entries} >= {"loss", "grads", "params", "buffers", "optimizer_state"}
-    # bf16 rounding is really there (float32 runs differ by ~1e-6 here): both sides computed in bf16 ...
-    assert first.max_rel("grads") > 1e-4
-    # ... around float32 master weights and BatchNorm statistics, on both sides.
-    for records in (result.jax_records, result.torch_records):
-        for kind in ("params", "buffers"):
-            assert {str(v.dtype) for v in records[-1][kind].values()} == {"float32"}, kind
+    check_float64(name)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import pytest
 
 from parity_tests.config import ParityConfig
 from parity_tests.runner import run_parity
-from parity_tests.test_parity import assert_parity
+from parity_tests.cases import assert_parity
 
 TINY_VIT = dict(model="vit-tiny", depth=2, dim=20, heads=2, mlp_dim=40, patch=8, image_size=16,
                 batch_per_device=4)
