@@ -2,7 +2,7 @@
 
 A row says what a strategy name is to everyone who reads names: the CLI's choices (before
 jax loads), ``create_strategy``, ``jaxdp plan``, ``jaxdp bench``, the parity harness, gpu-check
-and torch_ref. Nothing outside this module lists strategy names or branches on one.
+and torch_ref. Nothing outside this module lists the strategy names.
 
 A row (``Row``):
 
@@ -13,7 +13,8 @@ A row (``Row``):
   with their defaults, are the engine constructor's other keywords (``jaxdp.strategies.options_of``):
   one of them, ``units``, says it gathers params per FSDP unit. Whether it runs beside a ``model``
   axis is its engine's ``model_parallel``, and its formulas are its engine's ``Facts``.
-- ``torch_twin``: torch_ref's name for its PyTorch twin (``torch_ref.strategies.TWINS``); None: none.
+- ``torch_twin``: torch_ref's name for its PyTorch twin (``torch_ref.strategies.TWINS``); a row with
+  one is paired by ``jaxdp parity``; None: no twin.
   ``twin_without_gpus``: the twin used when there are fewer CUDA GPUs than devices (dp: DDP).
 - ``replicas``: whether its mesh has a replica axis (replicate x shard, as torchtitan's
   ``ParallelDims``). Without one its degrees on N devices are (1, N); with one, ``default_mesh``'s.
