@@ -354,9 +354,13 @@ class Parallel:
     autocast_dtype: Optional[torch.dtype] = None  # bf16 compute by autocast (mixed precision)
 
     @property
+    def twin(self) -> "Twin":
+        return TWINS[self.name]
+
+    @property
     def sharded(self) -> bool:
         """FSDP2: params, grads and optimizer states are DTensor shards."""
-        return TWINS[self.name].fsdp
+        return self.twin.fsdp
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool):
@@ -422,19 +426,21 @@ def _fsdp_no_sync(model):
 class Twin:
     """One twin torch_ref can build (the ``torch_twin`` of a ``jaxdp.registry`` row): its wrapper,
     the options it takes, and how it runs: ``fsdp`` (FSDP2: params, grads and optimizer states are
-    DTensor shards) or ``one_process`` (nn.DataParallel: one process drives every device)."""
+    DTensor shards), ``one_process`` (nn.DataParallel: one process drives every device) or
+    ``zero_optimizer`` (ZeroRedundancyOptimizer: each rank holds its part of the optimizer state)."""
 
     wrap: Callable
     options: Tuple[str, ...] = ()
     fsdp: bool = False
     one_process: bool = False
+    zero_optimizer: bool = False
 
 
 _DDP_OPTIONS = ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q", "powersgd_seed")
 TWINS = {
     "dp": Twin(dp, ("devices",), one_process=True),
     "ddp": Twin(ddp, _DDP_OPTIONS),
-    "zero1": Twin(zero1, _DDP_OPTIONS),
+    "zero1": Twin(zero1, _DDP_OPTIONS, zero_optimizer=True),
     "zero2": Twin(zero2, fsdp=True),
     "zero3": Twin(zero3, fsdp=True),
     "hsdp": Twin(hsdp, ("mesh_shape",), fsdp=True),
@@ -494,7 +500,7 @@ def make_optimizer(parallel: Parallel, name: str, lr: float, *, momentum: float 
                    betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
     """``torch.optim.SGD`` / ``Adam`` / ``AdamW`` with every option explicit (AdamW's own
     default weight decay, 1e-2, is never used); ``ZeroRedundancyOptimizer`` for zero1."""
-    return optimizer_for(list(parallel.module.parameters()), name, lr, zero1=parallel.name == "zero1",
+    return optimizer_for(list(parallel.module.parameters()), name, lr, zero1=parallel.twin.zero_optimizer,
                          momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas, eps=eps)
 
 
@@ -561,7 +567,7 @@ def full_optimizer_state(parallel: Parallel, optimizer) -> Optional[Dict[str, Di
     ZeroRedundancyOptimizer: ``consolidate_state_dict(to=0)`` gathers every rank's shard on
     rank 0. FSDP2: each state is a DTensor shard; ``full_tensor()`` all-gathers it."""
     names = [n for n, _ in parallel.module.named_parameters()]
-    if parallel.name == "zero1":
+    if parallel.twin.zero_optimizer:
         optimizer.consolidate_state_dict(to=0)
         if tdist.rank() != 0:
             return None
