@@ -2,11 +2,12 @@
 
 The CLI must build its parser (and print ``--help``) before jax starts: ``--devices N``
 sets XLA's simulated-device count first. So the choices live here, as plain tuples; each
-is the same list as its source of truth (``jaxdp.strategies.STRATEGIES``,
-``jaxdp.models.MODELS``, ...), which tests/test_cli.py checks.
+is the same list as its source of truth (``jaxdp.models.MODELS``, ...), which
+tests/test_cli.py checks. ``STRATEGIES`` is read from the jax-free ``jaxdp.registry`` when asked.
 """
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "dp", "async")
+from jaxdp import registry
+
 MODELS = ("resnet18", "resnet34", "resnet50", "vit-tiny", "vit-small")
 STEMS = ("cifar", "imagenet")
 DTYPES = ("float32", "bfloat16", "float64")
@@ -16,6 +17,12 @@ SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
 ALLREDUCES = ("psum", "ring")
 COMPRESSIONS = ("bf16", "fp16", "powersgd")
 REMATS = ("unit", "none")
+
+
+def __getattr__(name):
+    if name == "STRATEGIES":  # the names registered now (a strategy registered later too)
+        return registry.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def listing(names) -> str:

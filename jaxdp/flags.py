@@ -50,7 +50,8 @@ def add_strategy_flags(group, defaults, *, sync_bn_help: str, staleness_help: st
     d, g = defaults, group
     g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
     g.add_argument("--sync-bn", action="store_true", help=sync_bn_help)
-    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size in MiB (inf: one bucket)")
+    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb,
+                   help="ddp gradient bucket size in MiB (inf: one bucket; default: torch's, a 1 MiB first bucket, then 25)")
     g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES),
                    help="ddp, zero1: psum, or ring (reduce-scatter + all-gather written out)")
     g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),

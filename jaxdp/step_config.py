@@ -18,6 +18,8 @@ before anything else).
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from jaxdp import registry
+
 
 @dataclass
 class StrategyOptions:
@@ -26,7 +28,7 @@ class StrategyOptions:
     sync_bn: bool = False
     # Each strategy takes those of these its constructor names (jaxdp.strategies.options_of,
     # torch_ref.strategies.STRATEGY_OPTIONS); the others must stay at their defaults.
-    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size
+    bucket_cap_mb: Optional[float] = registry.BUCKET_CAP_MB  # ddp: gradient bucket size (None: torch's)
     allreduce: str = "psum"  # ddp: "psum" | "ring" (reduce-scatter + all-gather by ppermute)
     compress: Optional[str] = None  # ddp, zero1: None | "bf16" | "fp16" | "powersgd"
     powersgd_rank: int = 1

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxdp import model_task, task as tasks
-from jaxdp.strategies import REGISTRY, StrategyError, create_strategy
+from jaxdp.strategies import create_strategy
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,7 @@ class Trainer:
         # Checked at init (``jaxdp.validate``): our own classifier and pipelines need no check.
         self._check_loss = not isinstance(task, tasks.Classifier)
         self._default_inputs = model_inputs is None
-        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))
-        if spec.name not in REGISTRY:
-            raise StrategyError(f"unknown strategy {spec.name!r}; choose one of {', '.join(REGISTRY)}")
+        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
         self.strategy = create_strategy(spec.name, model, task, tx, mesh if mesh is not None else make_mesh(),
                                         **spec.options)
         self.mesh = self.strategy.mesh

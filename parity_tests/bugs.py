@@ -94,9 +94,8 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
+from jaxdp import registry
 from parity_tests.config import ParityError
-
-STRATEGIES = ("ddp", "async", "zero1", "zero2", "zero3", "hsdp", "dp")
 
 
 # ----------------------------------------------------------------------------- patching
@@ -376,7 +375,8 @@ def _error_feedback_dropped(original):
 
 
 def _everywhere(patch: Patch) -> Dict[str, Patch]:
-    return dict.fromkeys(STRATEGIES, patch)
+    """``patch`` for every strategy registered (``jaxdp.registry``)."""
+    return dict.fromkeys(registry.names(), patch)
 
 
 def _needs_several_devices(cfg) -> Optional[str]:
@@ -466,7 +466,7 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         "dp": Patch(["jaxdp.strategies.dp"], "gather_to_first", _unweighted_gather_to_first),
     }, 0, "grads", requires=_needs_several_devices),
     Bug("wrong_shard_bn", "BN running stats from the last device", {
-        **dict.fromkeys(("ddp", "async", "zero1", "zero2", "zero3", "hsdp"), DDP_BUFFERS),
+        **_everywhere(DDP_BUFFERS),
         "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _last_chunk_stats),
     }, 0, "buffers", requires=_needs_per_device_bn),
     Bug("late_lr_schedule", "warmup_cosine's cosine starting one step late (after the warmup)",

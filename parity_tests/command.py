@@ -13,9 +13,8 @@ import sys
 
 from jaxdp.commands import Command
 from jaxdp.flags import comma_floats, comma_ints
-from parity_tests import layouts, parity_mode, report, runner
+from parity_tests import layouts, pairs, parity_mode, report, runner
 from parity_tests.config import ParityConfig, ParityError
-from parity_tests.pairs import PAIRS
 
 
 def add_parity_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +24,7 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     from jaxdp import choices
     from jaxdp.flags import add_mesh_flag, add_strategy_flags, add_vit_flags, deprecated_alias
 
-    g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(PAIRS), help="jaxdp strategy")
+    g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(pairs.PAIRS), help="jaxdp strategy")
     g.add_argument("--devices", type=int, default=None,
                    help=f"jaxdp devices = torch ranks (on CPU the devices are simulated; default {d.devices})")
     add_mesh_flag(g, what="data=N; data=N,model=M: tensor-parallel parity of a ViT or ResNet against its torch "

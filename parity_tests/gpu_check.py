@@ -54,7 +54,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "dp")
+from jaxdp import registry
+
 DTYPES = ("float32", "float64")                   # the tiny pairs on >= 2 GPUs
 REALISTIC_DTYPES = ("float32", "bfloat16", "float64")
 SIMULATED_N = (2, 3)                              # one-GPU hosts: these N on simulated CPU devices
@@ -89,6 +90,13 @@ BENCH = {
 }
 ESTIMATE_S["bench"] = 30.0
 BENCH_STRATEGY = "ddp"
+
+
+def __getattr__(name):
+    """``STRATEGIES``: the registered strategies gpu-check pairs (``jaxdp.registry``, ``gpu_checked``)."""
+    if name == "STRATEGIES":
+        return registry.names(gpu_checked=True)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CheckRefused(Exception):
@@ -143,13 +151,9 @@ class CheckPlan:
 # ----------------------------------------------------------------------------- the plan
 
 def hsdp_mesh_shape(n: int) -> Tuple[int, int]:
-    """jaxdp's own default (replicas, shards) on one host (``zero.default_hsdp_shape``), also
-    torch_ref's: the pair runs what a user gets without --mesh-shape, named in its command."""
-    from types import SimpleNamespace
-
-    from jaxdp.strategies.zero import default_hsdp_shape
-
-    return tuple(default_hsdp_shape([SimpleNamespace(process_index=0)] * n))
+    """The default (replicas, shards) on one host (``jaxdp.registry.default_mesh``, jaxdp's and
+    torch_ref's): a replicated pair runs what a user gets without --mesh-shape, named in its command."""
+    return registry.default_mesh(n)
 
 
 def parity_argv(strategy: str, dtype: str, n: int, backend: str, size: dict, out: str) -> List[str]:
@@ -160,7 +164,7 @@ def parity_argv(strategy: str, dtype: str, n: int, backend: str, size: dict, out
         argv += ["--width", str(size["width"]), "--blocks", size["blocks"]]
     argv += ["--image-size", str(size["image_size"]), "--batch-per-device", str(size["batch_per_device"]),
              "--steps", str(size["steps"]), *size["opt"]]
-    if strategy == "hsdp":
+    if registry.row(strategy).replicas:
         argv += ["--mesh-shape", ",".join(map(str, hsdp_mesh_shape(n)))]
     return argv + ["--out", out]
 
@@ -196,8 +200,9 @@ def realistic_order(strategies: Sequence[str], dtypes: Sequence[str]) -> List[Tu
     r, v = REALISTIC
     wanted = [(r, "float32", "ddp"), (r, "float32", "zero3"), (v, "float32", "ddp"), (r, "bfloat16", "ddp"),
               (r, "float64", "ddp"), (v, "bfloat16", "ddp"), (v, "float64", "ddp")]
-    wanted += [(r, "float32", s) for s in STRATEGIES]
-    wanted += [(size, d, s) for d in REALISTIC_DTYPES for size in REALISTIC for s in STRATEGIES]
+    every = registry.names(gpu_checked=True)
+    wanted += [(r, "float32", s) for s in every]
+    wanted += [(size, d, s) for d in REALISTIC_DTYPES for size in REALISTIC for s in every]
     return [w for w in dict.fromkeys(wanted) if w[1] in dtypes and w[2] in strategies]
 
 
@@ -576,7 +581,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "of the check, and the simulated part of a one-GPU host's check; no GPU involved)")
     p.add_argument("--devices", type=int, default=None,
                    help="GPUs to use (default: every visible GPU; 1 runs the one-GPU plan on a bigger host)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list (default: %(default)s)")
+    p.add_argument("--strategies", default=",".join(registry.names(gpu_checked=True)),
+                   help="comma list (default: %(default)s)")
     p.add_argument("--dtypes", default=None,
                    help=f"comma list (default: {','.join(REALISTIC_DTYPES)} on GPUs, with the tiny pairs in "
                         f"{','.join(DTYPES)}; {','.join(SIMULATED_DTYPES)} with --simulate; float64 is skipped "
@@ -606,7 +612,7 @@ def prepare(args) -> CheckPlan:
     """Decide mode, N, backend and dtypes (refusing what cannot run); set JAX up before it starts."""
     from parity_tests import parity_mode
 
-    strategies = _choices(args.strategies, STRATEGIES, "strategies")
+    strategies = _choices(args.strategies, registry.names(gpu_checked=True), "strategies")
     notes: List[str] = []
     if args.simulate is not None:
         ns = sorted(set(args.simulate))

@@ -35,7 +35,7 @@ def jax_strategy(p: Plan, variables=None):
     from jaxdp.mesh import make_mesh
     from jaxdp.models import create_model, fsdp_units
     from jaxdp.optim import make_optimizer, make_schedule
-    from jaxdp.strategies import create_strategy
+    from jaxdp.strategies import create_strategy, options_of
     from jaxdp.task import classifier
 
     cfg = p.cfg
@@ -45,7 +45,7 @@ def jax_strategy(p: Plan, variables=None):
     tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps,
                         clip_grad_norm=cfg.clip_grad_norm)
-    units = {"units": fsdp_units(model)} if cfg.strategy in ("zero3", "hsdp") else {}
+    units = {"units": fsdp_units(model)} if "units" in options_of(cfg.strategy) else {}
     return create_strategy(cfg.strategy, model, classifier(model), tx, make_mesh(cfg.devices),
                            accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, return_grads=True, **units,
                            **p.jax_options)

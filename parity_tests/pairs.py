@@ -1,8 +1,9 @@
 """The pairs: each jaxdp strategy and its PyTorch twin.
 
-``pair_for`` builds each row from the strategy's facts (``jaxdp.strategies.facts``); a later
-strategy plugs in by adding its name to ``PAIRS`` (and, if it has options of its own, their
-names to ``PAIR_OPTIONS``, which ``jaxdp.step_config.StrategyOptions`` declares).
+``pair_for`` builds each row from the strategy's registry row (``jaxdp.registry``: its torch twin)
+and facts (``jaxdp.strategies.facts``); a registered strategy with a torch twin is paired (if it
+has options of its own, their names go to ``PAIR_OPTIONS``, which
+``jaxdp.step_config.StrategyOptions`` declares).
 
 ==========================  ==============================================  ======  =================================
 jaxdp                       torch_ref (PyTorch)                             ranks   notes
@@ -40,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Tuple
 
+from jaxdp import registry
 from parity_tests.config import ParityConfig
 
 # The strategy options a pair may set: the same names on both sides (StrategyOptions). A pair
@@ -69,26 +71,33 @@ class Pair:
     note: str = ""
 
 
-# The strategies paired: all of jaxdp.strategies.STRATEGIES (test_parity checks), named here
-# because this module must not import jax. ``pair_for`` reads a pair's facts when a run needs them.
-PAIRS = ("ddp", "zero1", "zero2", "zero3", "hsdp", "dp", "async")
 
-DP_NOTE = ("without N GPUs nn.DataParallel cannot split the batch, so the twin is DDP, whose math is "
-           "DataParallel's: per-chunk BN statistics, chunk/rank 0's running stats, gradients averaged over chunks")
+def __getattr__(name):
+    """``PAIRS``: the registered strategies that have a torch twin, read from the jax-free registry
+    when asked. ``pair_for`` reads a pair's facts when a run needs them."""
+    if name == "PAIRS":
+        return tuple(n for n in registry.names() if registry.row(n).torch_twin)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+FALLBACK_NOTE = ("without N GPUs {twin} cannot split the batch, so the twin is {fallback}, whose math is "
+                 "{twin}'s: per-chunk BN statistics, chunk/rank 0's running stats, gradients averaged over chunks")
 
 
 def pair_for(name: str) -> Pair:
-    """``name``'s row: its twin from its facts (``jaxdp.strategies.facts``); the options both its
-    jaxdp constructor (``options_of``) and its torch_ref twin (``STRATEGY_OPTIONS``) take."""
+    """``name``'s row: its twin from its registry row and facts (``jaxdp.strategies.facts``); the
+    options both its jaxdp constructor (``options_of``) and its torch_ref twin (``STRATEGY_OPTIONS``) take."""
     from jaxdp.strategies import facts, options_of
     from torch_ref.strategies import STRATEGY_OPTIONS
 
-    f = facts(name)
-    jax_takes, torch_takes = options_of(name), STRATEGY_OPTIONS[f.torch_twin]
+    f, row = facts(name), registry.row(name)
+    jax_takes, torch_takes = options_of(name), STRATEGY_OPTIONS[row.torch_twin]
     options = tuple(n for n in PAIR_OPTIONS if n in jax_takes and (n in JAX_ONLY_OPTIONS or n in torch_takes))
-    if name == "dp":  # nn.DataParallel splits the batch over GPUs: without them, DDP
-        return Pair(f"{f.twin} (>= N GPUs), else DDP on N ranks: the same math", _dp_torch, options, note=DP_NOTE)
-    return Pair(f.twin, f.torch_twin, options, _twin_check(name, f.twin_when, f.twin) if f.twin_when else None)
+    if row.twin_without_gpus:  # nn.DataParallel splits the batch over GPUs: without them, DDP
+        fallback = row.twin_without_gpus
+        return Pair(f"{f.twin} (>= N GPUs), else {fallback} on N ranks: the same math", _gpu_twin(row), options,
+                    note=FALLBACK_NOTE.format(twin=f.twin, fallback=fallback))
+    return Pair(f.twin, row.torch_twin, options, _twin_check(name, f.twin_when, f.twin) if f.twin_when else None)
 
 
 def _twin_check(name: str, twin_when: Mapping[str, Any], twin: str):
@@ -101,5 +110,8 @@ def _twin_check(name: str, twin_when: Mapping[str, Any], twin: str):
     return check
 
 
-def _dp_torch(cfg: ParityConfig, cuda_gpus: int) -> str:
-    return "dp" if cuda_gpus >= max(cfg.devices, 2) else "ddp"
+def _gpu_twin(row: "registry.Row") -> Callable[[ParityConfig, int], str]:
+    """The twin that needs a GPU per device, else ``row.twin_without_gpus``."""
+    def twin(cfg: ParityConfig, cuda_gpus: int) -> str:
+        return row.torch_twin if cuda_gpus >= max(cfg.devices, 2) else row.twin_without_gpus
+    return twin

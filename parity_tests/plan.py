@@ -13,8 +13,9 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from parity_tests import pairs
 from parity_tests.config import ParityConfig, ParityError
-from parity_tests.pairs import JAX_ONLY_OPTIONS, PAIR_OPTIONS, PAIRS, Pair, pair_for
+from parity_tests.pairs import JAX_ONLY_OPTIONS, PAIR_OPTIONS, Pair, pair_for
 
 SYNC_BN_CPU = ("torch's SyncBatchNorm raises on CPU tensors, so the twin of --sync-bn here is "
                "torch in ONE process on the full global batch: the same math (BN statistics "
@@ -86,9 +87,9 @@ def plan(cfg: ParityConfig) -> Plan:
 
 def _checked_pair(cfg: ParityConfig) -> Pair:
     """``cfg``'s pair, once every option is one it can run (ParityError, one line, if not)."""
-    if cfg.strategy not in PAIRS:
+    if cfg.strategy not in pairs.PAIRS:
         raise ParityError(f"no torch twin registered for strategy {cfg.strategy!r}; pairs: "
-                          f"{', '.join(PAIRS)} (add its name to parity_tests.pairs.PAIRS)")
+                          f"{', '.join(pairs.PAIRS)} (its jaxdp.registry row names its torch_twin)")
     pair = pair_for(cfg.strategy)
     try:
         cfg.model_summary()  # an unknown model, or an option of the other family, is the user's

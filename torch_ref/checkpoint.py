@@ -53,7 +53,7 @@ def full_state(parallel, optimizer) -> tuple:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_sd = get_model_state_dict(parallel.module, options=_options(cpu_offload=True))
-    if parallel.name == "zero1":
+    if parallel.twin.zero_optimizer:
         optimizer.consolidate_state_dict(to=0)
         optim_sd = _zero_to_names(parallel, optimizer.state_dict()) if tdist.rank() == 0 else {}
     else:
@@ -66,7 +66,7 @@ def load_full_state(parallel, optimizer, model_sd: dict, optim_sd: dict) -> None
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(parallel.module, model_sd, options=_options())
-    if parallel.name == "zero1":
+    if parallel.twin.zero_optimizer:
         optimizer.load_state_dict(_zero_from_names(parallel, optim_sd))
     else:
         set_optimizer_state_dict(parallel.module, optimizer, optim_sd, options=_options())

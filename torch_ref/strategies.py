@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from jaxdp import registry
 from torch_ref import compat
 from torch_ref import dist as tdist
 from torch_ref.models import FSDP_UNITS
 
-STRATEGIES = ("dp", "ddp", "zero1", "zero2", "zero3", "hsdp")
 COMPRESSIONS = ("bf16", "fp16", "powersgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -157,7 +157,7 @@ def dp(model: nn.Module, *, device: torch.device, devices: Optional[int] = None,
     return model
 
 
-def ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0,
+def ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: Optional[float] = registry.BUCKET_CAP_MB,
         compress: Optional[str] = None, powersgd_rank: int = 1, powersgd_start_iter: int = 1000,
         powersgd_q: Optional[Mapping[str, Any]] = None, powersgd_seed: int = 0):
     """``DistributedDataParallel`` with rank 0's BN buffers broadcast before every forward.
@@ -166,14 +166,16 @@ def ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0,
     (``default_hooks.bf16_compress_hook`` / ``fp16_compress_hook``: cast, divide by N in low
     precision, sum, cast back) or ``"powersgd"`` (``powerSGD_hook`` with rank
     ``powersgd_rank``, error feedback and warm start). Returns ``(ddp_model, hook_state)``.
+    ``bucket_cap_mb`` None: torch's own default, a 1 MiB first bucket then 25 MiB (as jaxdp's).
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    if bucket_cap_mb <= 0:
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
         raise StrategyError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    cap = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}  # None: each torch's own default
     wrapped = DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None,
-        bucket_cap_mb=bucket_cap_mb, **compat.ddp_buffer_sync(DistributedDataParallel))
+        **cap, **compat.ddp_buffer_sync(DistributedDataParallel))
     state = None
     if compress is not None:
         state = register_comm_hook(wrapped, compress, rank=powersgd_rank,
@@ -244,26 +246,23 @@ def mixed_precision_policies():
             MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32))
 
 
-def zero2(model: nn.Module, **options) -> nn.Module:
+def zero2(model: nn.Module, *, device: Optional[torch.device] = None, **options) -> nn.Module:
     return fsdp(model, reshard_after_forward=False, **options)
 
 
-def zero3(model: nn.Module, **options) -> nn.Module:
+def zero3(model: nn.Module, *, device: Optional[torch.device] = None, **options) -> nn.Module:
     return fsdp(model, reshard_after_forward=True, **options)
 
 
 def hsdp_mesh_shape(mesh_shape: Optional[Sequence[int]], world: int) -> Tuple[int, int]:
-    """(replicas, shards). Default, as jaxdp's (``zero.default_hsdp_shape``): shard within a
-    node, replicate across nodes (torchrun's LOCAL_WORLD_SIZE ranks per node); on one node
-    (2, world/2), so HSDP differs from FSDP (odd world: (1, world))."""
+    """(replicas, shards). Default: jaxdp's (``jaxdp.registry.default_mesh``), one shard group per
+    node (torchrun's LOCAL_WORLD_SIZE ranks per node)."""
     import os
 
     if mesh_shape is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         local = local if local >= 1 and world % local == 0 else world
-        if local < world:
-            return world // local, local
-        return (2, world // 2) if world % 2 == 0 else (1, world)
+        return registry.default_mesh(world, world // local)
     shape = tuple(int(s) for s in mesh_shape)
     if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != world:
         raise StrategyError(f"mesh_shape {tuple(mesh_shape)} must be (replicas, shards) with "
@@ -355,9 +354,13 @@ class Parallel:
     autocast_dtype: Optional[torch.dtype] = None  # bf16 compute by autocast (mixed precision)
 
     @property
+    def twin(self) -> "Twin":
+        return TWINS[self.name]
+
+    @property
     def sharded(self) -> bool:
         """FSDP2: params, grads and optimizer states are DTensor shards."""
-        return self.name in ("zero2", "zero3", "hsdp")
+        return self.twin.fsdp
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool):
@@ -419,16 +422,31 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-STRATEGY_OPTIONS = {
-    "dp": ("devices",),
-    "ddp": ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q",
-            "powersgd_seed"),
-    "zero1": ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q",
-              "powersgd_seed"),
-    "zero2": (),
-    "zero3": (),
-    "hsdp": ("mesh_shape",),
+@dataclass(frozen=True)
+class Twin:
+    """One twin torch_ref can build (the ``torch_twin`` of a ``jaxdp.registry`` row): its wrapper,
+    the options it takes, and how it runs: ``fsdp`` (FSDP2: params, grads and optimizer states are
+    DTensor shards), ``one_process`` (nn.DataParallel: one process drives every device) or
+    ``zero_optimizer`` (ZeroRedundancyOptimizer: each rank holds its part of the optimizer state)."""
+
+    wrap: Callable
+    options: Tuple[str, ...] = ()
+    fsdp: bool = False
+    one_process: bool = False
+    zero_optimizer: bool = False
+
+
+_DDP_OPTIONS = ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q", "powersgd_seed")
+TWINS = {
+    "dp": Twin(dp, ("devices",), one_process=True),
+    "ddp": Twin(ddp, _DDP_OPTIONS),
+    "zero1": Twin(zero1, _DDP_OPTIONS, zero_optimizer=True),
+    "zero2": Twin(zero2, fsdp=True),
+    "zero3": Twin(zero3, fsdp=True),
+    "hsdp": Twin(hsdp, ("mesh_shape",), fsdp=True),
 }
+STRATEGIES = tuple(TWINS)
+STRATEGY_OPTIONS = {name: twin.options for name, twin in TWINS.items()}
 
 
 def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
@@ -442,10 +460,11 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
     around forward and loss (params and grads stay fp32).
     ``sync_bn``: ``SyncBatchNorm`` (CUDA only).
     """
-    if name not in STRATEGIES:
-        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    if name not in TWINS:
+        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(TWINS)}")
+    twin = TWINS[name]
     device = device or tdist.device()
-    accepted = STRATEGY_OPTIONS[name]
+    accepted = twin.options
     unknown = [k for k in options if k not in accepted]
     if unknown:
         raise StrategyError(f"strategy {name!r} takes no option {', '.join(unknown)} "
@@ -453,25 +472,22 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
     if sync_bn:
         if device.type != "cuda":
             raise StrategyError(SYNC_BN_CPU_NOTE)
-        if name == "dp":
-            raise StrategyError("--sync-bn needs one process per GPU (ddp, zero*, hsdp), not dp")
+        if twin.one_process:
+            raise StrategyError(f"--sync-bn needs one process per GPU (ddp, zero*, hsdp), not {name}")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     comm_state, autocast = None, None
-    if name in ("zero2", "zero3", "hsdp"):
+    if twin.fsdp:
         problem = compat.fsdp_cpu_problem() if device.type == "cpu" else None
         if problem:
             raise StrategyError(problem)
-        if name == "hsdp":
-            wrapped = hsdp(model, device=device, mixed_precision=mixed_precision, **options)
-        else:
-            wrapped = (zero2 if name == "zero2" else zero3)(model, mixed_precision=mixed_precision, **options)
+        wrapped = twin.wrap(model, device=device, mixed_precision=mixed_precision, **options)
         module = wrapped  # fully_shard works in place: the root is the model
     else:
         autocast = torch.bfloat16 if mixed_precision else None
-        if name == "dp":
-            wrapped = dp(model, device=device, announce=announce, **options)
+        if twin.one_process:
+            wrapped = twin.wrap(model, device=device, announce=announce, **options)
         else:
-            wrapped, comm_state = (zero1 if name == "zero1" else ddp)(model, device=device, **options)
+            wrapped, comm_state = twin.wrap(model, device=device, **options)
         module = model
     return Parallel(name=name, model=wrapped, module=module, device=device,
                     comm_state=comm_state, autocast_dtype=autocast)
@@ -484,7 +500,7 @@ def make_optimizer(parallel: Parallel, name: str, lr: float, *, momentum: float 
                    betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
     """``torch.optim.SGD`` / ``Adam`` / ``AdamW`` with every option explicit (AdamW's own
     default weight decay, 1e-2, is never used); ``ZeroRedundancyOptimizer`` for zero1."""
-    return optimizer_for(list(parallel.module.parameters()), name, lr, zero1=parallel.name == "zero1",
+    return optimizer_for(list(parallel.module.parameters()), name, lr, zero1=parallel.twin.zero_optimizer,
                          momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas, eps=eps)
 
 
@@ -551,7 +567,7 @@ def full_optimizer_state(parallel: Parallel, optimizer) -> Optional[Dict[str, Di
     ZeroRedundancyOptimizer: ``consolidate_state_dict(to=0)`` gathers every rank's shard on
     rank 0. FSDP2: each state is a DTensor shard; ``full_tensor()`` all-gathers it."""
     names = [n for n, _ in parallel.module.named_parameters()]
-    if parallel.name == "zero1":
+    if parallel.twin.zero_optimizer:
         optimizer.consolidate_state_dict(to=0)
         if tdist.rank() != 0:
             return None

@@ -47,7 +47,7 @@ from jaxdp.rundir import MetricsLog, check_fingerprint, refuse_earlier_run, remo
 from torch_ref import checkpoint as ckpt
 from torch_ref import dist as tdist
 from torch_ref.step_api import DTYPES, Runner, build, to_torch_batch
-from torch_ref.strategies import OPTIMIZERS, STRATEGIES, StrategyError
+from torch_ref.strategies import OPTIMIZERS, STRATEGIES, TWINS, StrategyError
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -69,7 +69,7 @@ def runner_config(cfg: TrainConfig, steps_per_epoch: int) -> dict:
                bucket_cap_mb=cfg.bucket_cap_mb, compress=cfg.compress,
                powersgd_rank=cfg.powersgd_rank, powersgd_start_iter=cfg.powersgd_start_iter,
                mesh_shape=cfg.mesh_shape)
-    if cfg.strategy == "dp":
+    if cfg.strategy in TWINS and "devices" in TWINS[cfg.strategy].options:  # nn.DataParallel's GPUs
         out["devices"] = cfg.devices
     return out
 
@@ -80,7 +80,7 @@ def data_layout(cfg: TrainConfig):
     One rank per replica, each loading only its own rows; ``dp`` is one process feeding
     every replica (GPU) of ``nn.DataParallel``."""
     world, rank = tdist.world_size(), tdist.rank()
-    if cfg.strategy == "dp":
+    if cfg.strategy in TWINS and TWINS[cfg.strategy].one_process:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return (cfg.devices or max(gpus, 1)), None
     if cfg.devices is not None and cfg.devices != world:

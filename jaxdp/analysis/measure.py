@@ -49,7 +49,7 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     sizes = dict(vit or {}, **({"image_size": image_size} if family(model) == "vit" else {}))
     net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype, **sizes)
     check_batchnorm_has_values(net, batch_per_device, image_size)
-    options = dict(options or {}, **({"mesh_shape": mesh_shape} if name == "hsdp" else {}))
+    options = dict(options or {}, **({"mesh_shape": mesh_shape} if "mesh_shape" in options_of(name) else {}))
     strategy = build_strategy(name, make_mesh(**mesh) if mesh else make_mesh(n), net, optimizer, options)
     rng = np.random.default_rng(seed)
     global_batch = batch_per_device * strategy.num_devices

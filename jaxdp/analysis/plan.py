@@ -16,7 +16,7 @@ replicas x shards mesh with both > 1), per device:
 - the traffic per step: ring bytes each device sends, the strategy's formula.
 
 **The rule for the recommendation**: of the strategies that fit at b, the one with the
-least traffic per step; a tie goes to the one listed first in ``CANDIDATES``' order (ddp,
+least traffic per step; a tie goes to the one registered first (``jaxdp.registry``: ddp,
 zero1, zero2, zero3, hsdp, async: the fewer collectives per step), e.g. ddp at N = 1.
 
 **How it compiles for N devices it does not have.** jax 0.10.2 lowers a program over an
@@ -31,7 +31,7 @@ ResNet-18 of width 1024 (2.8 G params, 45 GB with Adam) at N = 64 plans each str
 about 5 s under 0.7 GB of resident memory. The numbers are XLA:CPU's buffer assignment;
 a GPU's fusions and workspaces differ (an estimate there).
 
-Not planned: ``dp`` (``pmap``'s layout holds one state slot per device on a leading axis,
+The candidates are the registry's rows with ``planned`` (``candidates()``). Not planned: ``dp`` (``pmap``'s layout holds one state slot per device on a leading axis,
 which ``abstract_state`` does not build; its memory is ddp's plus device 0's gathered
 gradients).
 
@@ -41,9 +41,18 @@ Nothing here imports jax at module level.
 import math
 from typing import Callable, List, Optional, Sequence
 
-CANDIDATES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "async")
+from jaxdp import registry
+
 MAX_BATCH = 1 << 16  # per device: the search stops here (shapes beyond it reach XLA's int32 indexing)
-RULE = "least traffic per step among those that fit; ties: the first of ddp, zero1, zero2, zero3, hsdp, async"
+
+
+def candidates() -> tuple:
+    """The strategies ``plan`` weighs, in the registry's order (the order ties go by)."""
+    return registry.names(planned=True)
+
+
+def rule() -> str:
+    return "least traffic per step among those that fit; ties: the first of " + ", ".join(candidates())
 
 
 class PlanError(ValueError):
@@ -51,17 +60,19 @@ class PlanError(ValueError):
 
 
 def meshes(name: str, n: int) -> List[Optional[tuple]]:
-    """The meshes ``name`` is planned on: hsdp every (replicas, shards) with both > 1, others the 1-D one."""
-    if name != "hsdp":
+    """The meshes ``name`` is planned on: a strategy with a replica axis (hsdp) every (replicas, shards)
+    with both > 1, others the 1-D one."""
+    if not registry.row(name).replicas:
         return [None]
     return [(r, n // r) for r in range(2, n) if n % r == 0 and n // r > 1]
 
 
 def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 2**30, global_batch_size: int = 256,
          *, width: int = 64, blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
-         dtype: str = "float32", image_size: int = 32, strategies: Sequence[str] = CANDIDATES, staleness: int = 1,
+         dtype: str = "float32", image_size: int = 32, strategies: Optional[Sequence[str]] = None, staleness: int = 1,
          verify: bool = True) -> dict:
-    """The plan as a dict: the inputs, one row per (strategy, mesh) and the recommended row's index."""
+    """The plan as a dict: the inputs, one row per (strategy, mesh) and the recommended row's index.
+    ``strategies``: a subset of ``candidates()`` (None: all of them)."""
     import jax
 
     from jaxdp.analysis.measure import check_batchnorm_has_values
@@ -73,9 +84,11 @@ def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 
     if len(jax.devices()) < n:
         raise PlanError(f"jax sees {len(jax.devices())} devices, the plan needs {n}: run `jaxdp plan --devices {n}` "
                         "(it simulates them), and leave --xla_force_host_platform_device_count out of XLA_FLAGS")
-    unknown = set(strategies) - set(CANDIDATES)
+    planned = candidates()
+    strategies = planned if strategies is None else strategies
+    unknown = set(strategies) - set(planned)
     if unknown:
-        raise PlanError(f"cannot plan {', '.join(sorted(unknown))}; choose from {', '.join(CANDIDATES)}")
+        raise PlanError(f"cannot plan {', '.join(sorted(unknown))}; choose from {', '.join(planned)}")
     if dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     b = global_batch_size // n
@@ -83,15 +96,15 @@ def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 
     check_batchnorm_has_values(net, b, image_size)
     rows = [plan_strategy(name, mesh_shape, net, n, b, device_memory, optimizer=optimizer, image_size=image_size,
                           staleness=staleness, verify=verify)
-            for name in CANDIDATES if name in strategies for mesh_shape in meshes(name, n)]
+            for name in planned if name in strategies for mesh_shape in meshes(name, n)]
     return {"model": model, "width": width, "blocks": list(getattr(net, "stage_sizes", ())), "dtype": dtype,
             "optimizer": optimizer, "image_size": image_size, "devices": n, "device_memory": device_memory,
             "global_batch_size": global_batch_size, "batch_per_device": b, "psi": rows[0]["psi"] if rows else None,
-            "rows": rows, "recommended": recommend(rows), "rule": RULE}
+            "rows": rows, "recommended": recommend(rows), "rule": rule()}
 
 
 def recommend(rows: List[dict]) -> Optional[int]:
-    """The index of the row ``RULE`` picks (rows in ``CANDIDATES``' order), None if none fits."""
+    """The index of the row ``rule()`` picks (rows in ``candidates()``' order), None if none fits."""
     fitting = [i for i, row in enumerate(rows) if row["fits"]]
     return min(fitting, key=lambda i: (rows[i]["traffic_bytes"], i)) if fitting else None
 
@@ -103,7 +116,10 @@ def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: flo
     from jaxdp.analysis.state import strategy_formulas
     from jaxdp.mesh import make_mesh
 
-    options = {"mesh_shape": mesh_shape} if name == "hsdp" else {"staleness": staleness} if name == "async" else {}
+    from jaxdp.strategies import options_of
+
+    takes = options_of(name)
+    options = {k: v for k, v in (("mesh_shape", mesh_shape), ("staleness", staleness)) if k in takes}
     strategy = build_strategy(name, make_mesh(n), net, optimizer, options)
     compiled = {}
 

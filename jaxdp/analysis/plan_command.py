@@ -28,13 +28,14 @@ def memory_size(text: str) -> float:
 
 def add_plan_args(p) -> None:
     from jaxdp.analysis.command import add_model_args
-    from jaxdp.analysis.plan import CANDIDATES
+    from jaxdp.analysis.plan import candidates
 
     p.add_argument("--devices", type=int, default=8, help="devices N (compiled for N simulated CPU devices)")
     p.add_argument("--device-memory", type=memory_size, default=80 * 2**30, help="memory per device, e.g. 80GiB")
     p.add_argument("--global-batch-size", type=int, default=256, help="images per step over all devices")
     add_model_args(p)
-    p.add_argument("--strategies", type=lambda text: tuple(text.split(",")), default=CANDIDATES, help=f"a subset of {','.join(CANDIDATES)}")
+    p.add_argument("--strategies", type=lambda text: tuple(text.split(",")), default=None,
+                   help=f"a subset of {','.join(candidates())} (default: all)")
     p.add_argument("--staleness", type=int, default=1, help="async's staleness bound k")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the third compile that checks the largest batch")

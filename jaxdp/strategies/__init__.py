@@ -7,6 +7,7 @@
 - ``zero``: ZeRO stages 1 (optimizer state sharded), 2 (+ gradients reduce-scattered), 3 (+ params,
   gathered per FSDP unit on use) and HSDP (stage 3 within groups of a 2-D mesh), one module.
 
+Each name is a row of ``jaxdp.registry`` (its engine class and the options the name fixes).
 Each strategy carries its own facts beside its class (``factsheet.Facts``: name, torch twin, what it
 shards, its traffic formula; ``facts(name)``) and its options (its constructor's keywords,
 ``options_of(name)``). No strategy names a model: models bring their FSDP units.
@@ -15,6 +16,7 @@ shards, its traffic formula; ``facts(name)``) and its options (its constructor's
 import inspect as _inspect
 from typing import Dict
 
+from jaxdp import registry
 from jaxdp.strategies.async_ps import AsyncPS
 from jaxdp.strategies.base import Strategy, StrategyError
 from jaxdp.strategies.ddp import DDP
@@ -22,23 +24,23 @@ from jaxdp.strategies.dp import DataParallel
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.zero import ZeRO
 
-# name -> (class, the options that name fixes)
-REGISTRY = {
-    "ddp": (DDP, {}),
-    "zero1": (ZeRO, {"stage": 1}),
-    "zero2": (ZeRO, {"stage": 2}),
-    "zero3": (ZeRO, {"stage": 3}),
-    "hsdp": (ZeRO, {"stage": 3, "hsdp": True}),
-    "dp": (DataParallel, {}),
-    "async": (AsyncPS, {}),
-}
-STRATEGIES = tuple(REGISTRY)
+
+def __getattr__(name):
+    """``STRATEGIES`` (the names) and ``REGISTRY`` (name -> (class, the options it fixes)), read
+    from ``jaxdp.registry`` when asked, so a strategy registered later is in them."""
+    if name == "STRATEGIES":
+        return registry.names()
+    if name == "REGISTRY":
+        return {n: (registry.row(n).engine_class(), dict(registry.row(n).fixed)) for n in registry.names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _registered(name: str):
-    if name not in REGISTRY:
-        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    return REGISTRY[name]
+    try:
+        row = registry.row(name)
+    except registry.UnknownStrategy as e:
+        raise StrategyError(str(e)) from None
+    return row.engine_class(), dict(row.fixed)
 
 
 def facts(name: str) -> Facts:
@@ -57,7 +59,9 @@ def options_of(name: str) -> Dict[str, object]:
                 if p.kind == p.KEYWORD_ONLY:
                     params[p.name] = p.default
     refused = facts(name).refused
-    return {k: v for k, v in params.items() if k not in fixed and k not in refused and k not in ("stage", "hsdp")}
+    # An option some name fixes selects a row of this engine: the name says it, not an option.
+    selectors = {k for n in registry.names() for k in registry.row(n).fixed if registry.row(n).engine_class() is cls}
+    return {k: v for k, v in params.items() if k not in refused and k not in selectors}
 
 
 def create_strategy(name: str, model, task, tx, mesh, **options) -> Strategy:

@@ -24,7 +24,7 @@ from jaxdp.strategies.base import Strategy, ddp_buffers, local_grads, refuse_wit
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
 
-FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)", torch_twin="ddp",
+FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)",
               traffic=lambda s: s.allreduce, traffic_text="{allreduce}")  # nothing is sharded: one all-reduce
 
 

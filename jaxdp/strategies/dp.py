@@ -78,7 +78,7 @@ def traffic(s) -> float:
     return (s.n - 1 + math.ceil(math.log2(s.n))) * s.p * s.psi
 
 
-FACTS = Facts("dp", twin="nn.DataParallel", torch_twin="dp",
+FACTS = Facts("dp", twin="nn.DataParallel",
               traffic=traffic, traffic_text="(N-1 + ceil(log2 N))Ψp: gather to device 0, broadcast tree")
 
 

@@ -25,8 +25,7 @@ class Sizes:
 @dataclass(frozen=True)
 class Facts:
     name: str
-    twin: str = ""  # the PyTorch twin, in words
-    torch_twin: Optional[str] = None  # torch_ref's name for it (``torch_ref.strategies.STRATEGIES``)
+    twin: str = ""  # the PyTorch twin, in words (torch_ref's name for it: the registry row's ``torch_twin``)
     twin_when: Mapping[str, Any] = field(default_factory=dict)  # options the twin needs, e.g. async's staleness 0
     sharded: Tuple[str, ...] = ()  # which of "params", "grads", "opt" a device holds 1/N of (hsdp: 1/S)
     traffic: Optional[Callable[[Sizes], float]] = None  # ring bytes per device per step (None: not known)

@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jaxdp import registry
 from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import (Strategy, StrategyError, ddp_buffers, local_grads, refuse_with_tensor_parallel,
@@ -56,16 +57,16 @@ from jaxdp.strategies.sync import AllReduce
 from jaxdp.strategies.units import REMATS, Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 # Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
-ZERO1 = Facts("zero1", twin="DDP (optional comm hook) + ZeroRedundancyOptimizer", torch_twin="zero1",
+ZERO1 = Facts("zero1", twin="DDP (optional comm hook) + ZeroRedundancyOptimizer",
               sharded=("opt",), refused=frozenset({"units", "remat", "mesh_shape"}),
               traffic=lambda s: s.allreduce + (s.n - 1) / s.n * s.p * s.psi_pad,  # DDP's + gather the updated chunks
               traffic_text="{allreduce} + (N-1)/N·pΨ_pad all-gather")
 ZERO2 = dataclasses.replace(
-    ZERO1, name="zero2", twin="FSDP2 fully_shard(reshard_after_forward=False)", torch_twin="zero2",
+    ZERO1, name="zero2", twin="FSDP2 fully_shard(reshard_after_forward=False)",
     sharded=("grads", "opt"), traffic=lambda s: 2 * (s.n - 1) / s.n * s.p * s.psi_pad, traffic_text="2Ψ_pad·p(N-1)/N",
     refused=ZERO1.refused | {"allreduce", "compress", "powersgd_rank", "powersgd_options"})  # no all-reduce to hook
 ZERO3 = dataclasses.replace(
-    ZERO2, name="zero3", twin="FSDP2 fully_shard(reshard_after_forward=True)", torch_twin="zero3",
+    ZERO2, name="zero3", twin="FSDP2 fully_shard(reshard_after_forward=True)",
     sharded=("params", "grads", "opt"), refused=ZERO2.refused - {"units", "remat"} | {"bucket_cap_mb"},  # units, not buckets
     traffic=lambda s: (s.n - 1) / s.n * s.p * (3 * s.psi_pad - s.root_pad),  # units gathered twice, the root once
     traffic_text="(3Ψ_pad - Ψ_root)p(N-1)/N")
@@ -78,7 +79,7 @@ def hsdp_traffic(s) -> float:
     return (g - 1) / g * s.p * (3 * s.psi_pad - s.root_pad) + 2 * (r - 1) / r * s.p * s.psi_pad / g
 
 
-HSDP = dataclasses.replace(ZERO3, name="hsdp", twin="FSDP2 on a 2-D DeviceMesh (replicate, shard)", torch_twin="hsdp",
+HSDP = dataclasses.replace(ZERO3, name="hsdp", twin="FSDP2 on a 2-D DeviceMesh (replicate, shard)",
                            refused=ZERO3.refused - {"mesh_shape"}, traffic=hsdp_traffic,
                            traffic_text="(3Ψ_pad - Ψ_root)p(S-1)/S + 2(Ψ_pad p/S)(R-1)/R")
 
@@ -260,15 +261,9 @@ class ZeRO(Strategy):
 
 
 def default_hsdp_shape(devices) -> tuple:
-    """(replicas, shards) when the user names none: shard within a host and replicate across
-    hosts, so the frequent reduce-scatters and gathers stay on a host's fast links (torch's
-    HSDP recipe: one shard group per node). On one host: (2, N/2), so that HSDP differs from
-    ZeRO-3 (odd N: (1, N))."""
-    hosts = len({d.process_index for d in devices})
-    if hosts > 1:
-        return hosts, len(devices) // hosts
-    n = len(devices)
-    return (2, n // 2) if n % 2 == 0 else (1, n)
+    """(replicas, shards) for these devices when the user names none: one shard group per host
+    (``jaxdp.registry.default_mesh``, the one definition torch_ref, bench and gpu-check read too)."""
+    return registry.default_mesh(len(devices), len({d.process_index for d in devices}))
 
 
 def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:

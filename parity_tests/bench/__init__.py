@@ -50,7 +50,8 @@ The modules: ``command`` (``jaxdp bench``, registered with ``jaxdp`` by entry po
 [torch] extra), ``runner`` (the rows, the environment), ``jax_side``, ``torch_side``,
 ``bare``, ``levers``, ``gpu_preset``, ``report`` (Markdown and PNG).
 
-Nothing here imports jax or torch at module level: the simulated device count and XLA
+A strategy with a replica axis (hsdp) runs on ``jaxdp.registry.mesh_shape(name, N)`` on both
+sides, the default a user gets. Nothing here imports jax or torch at module level: the simulated device count and XLA
 flags must be set before jax starts, and torch ranks import ``torch_side`` to run.
 """
 
@@ -59,11 +60,4 @@ import os
 
 def cuda_host() -> bool:
     return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-
-def hsdp_mesh_shape(name: str, n: int):
-    """The (replicas, shards) both sides run ``hsdp`` on at N devices; None for other strategies."""
-    if name != "hsdp":
-        return None
-    return (2, n // 2) if n >= 2 and n % 2 == 0 else (1, n)
 

@@ -10,7 +10,8 @@ from typing import Optional
 
 import numpy as np
 
-from parity_tests.bench import cuda_host, hsdp_mesh_shape, levers
+from jaxdp import registry
+from parity_tests.bench import cuda_host, levers
 
 XLA_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
@@ -79,7 +80,8 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
 
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"], **cfg.get("vit", {}))
     tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
-    options = dict(options, **({"mesh_shape": hsdp_mesh_shape(name, n)} if name == "hsdp" else {}))
+    shape = registry.mesh_shape(name, n)
+    options = dict(options, **({"mesh_shape": shape} if shape else {}))
     # zero3/hsdp shard per FSDP unit (the ResNet's blocks), as torch_ref's fully_shard does.
     devices = make_mesh(**mesh) if mesh else make_mesh(n)
     strategy = create_strategy(name, net, classifier(net), tx, devices, **ins.fsdp_options(name, net, options),

@@ -11,9 +11,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxdp import registry
 from jaxdp.commands import CommandError
 from jaxdp.perf import peak_flops
-from parity_tests.bench import hsdp_mesh_shape
 from parity_tests.bench.bare import add_overheads, bench_bare
 from parity_tests.bench.jax_side import bench_jax, bench_pipeline
 from parity_tests.bench.report import row_line
@@ -85,7 +85,7 @@ def _row(name: str, n: int, options: dict, lever, cfg: dict, images: np.ndarray,
     """One (N, strategy, options, lever) row: jaxdp and, if asked and the strategy has a twin,
     torch_ref (eager and compiled), in the given order."""
     row = {"strategy": name, "n": n, "options": options, "lever": lever, "bare_key": bare_key(n, lever),
-           "mesh_shape": hsdp_mesh_shape(name, n), "global_batch": cfg["global_batch"],
+           "mesh_shape": registry.mesh_shape(name, n), "global_batch": cfg["global_batch"],
            "order": "jaxdp first" if order_jax_first else "torch_ref first", "loadavg_before": list(os.getloadavg())}
 
     def do_jax():

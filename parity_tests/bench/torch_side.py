@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from parity_tests.bench import hsdp_mesh_shape
+from jaxdp import registry
 
 
 def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.ndarray, labels: np.ndarray,
@@ -72,12 +72,11 @@ def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.
 
 
 def torch_twin(name: str) -> Optional[str]:
-    """torch_ref's strategy for ``name`` (its facts), None where the twin holds only for some
-    options: async is DDP at staleness 0, which the ddp row already times."""
+    """torch_ref's strategy for ``name`` (its registry row), None where the twin holds only for some
+    options (its facts): async is DDP at staleness 0, which the ddp row already times."""
     from jaxdp.strategies import facts
 
-    f = facts(name)
-    return None if f.twin_when else f.torch_twin
+    return None if facts(name).twin_when else registry.row(name).torch_twin
 
 
 def twin_options(twin: str, options: dict) -> dict:
@@ -104,8 +103,8 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
               "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
               "total_steps": cfg["warmup"] + cfg["steps"] + 1, "tuned": True, "compile": compile_backend}
     warmup = max(cfg["warmup"], 1) if compile_backend else cfg["warmup"]
-    if name == "hsdp":
-        config["mesh_shape"] = hsdp_mesh_shape(name, n)
+    if registry.mesh_shape(name, n):
+        config["mesh_shape"] = registry.mesh_shape(name, n)
     config.update(twin_options(config["strategy"], options or {}))
     world = n
     if name == "dp":  # single process holding the whole batch (nn.DataParallel's CPU fallback)
