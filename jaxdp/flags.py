@@ -8,25 +8,13 @@ for one release: the old spelling still works and says what replaced it.
 import argparse
 import sys
 
+from jaxdp.options import add_arguments, add_field, comma_floats, comma_ints, declared  # noqa: F401 (the flags' parsers)
+from jaxdp.config import MESH_HELP
+from jaxdp.step_config import StrategyOptions
+
 # No abbreviations (argparse would take --epoch for --epochs, silently), and every
 # option's default in its help.
 PARSER_OPTIONS = dict(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-
-
-def comma_ints(text: str):
-    """``--blocks 1,1,1,1``: a tuple of integers, or argparse's one-line error."""
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def comma_floats(text: str):
-    """``--betas 0.9,0.999``: a tuple of numbers, or argparse's one-line error."""
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def deprecated_alias(parser, old: str, new: str, **kwargs) -> None:
@@ -44,36 +32,14 @@ def deprecated_alias(parser, old: str, new: str, **kwargs) -> None:
 
 def add_strategy_flags(group, defaults, *, sync_bn_help: str, staleness_help: str) -> None:
     """The strategy options ``jaxdp train`` and ``jaxdp parity`` both take
-    (``jaxdp.step_config.StrategyOptions``), defined once; ``defaults`` holds their defaults."""
-    from jaxdp import choices
-
-    d, g = defaults, group
-    g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
-    g.add_argument("--sync-bn", action="store_true", help=sync_bn_help)
-    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="ddp gradient bucket size in MiB (inf: one bucket)")
-    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES),
-                   help="ddp, zero1: psum, or ring (reduce-scatter + all-gather written out)")
-    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
-                   help="ddp/zero1 gradient compression (default: none)")
-    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
-    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
-                   help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
-    g.add_argument("--staleness", type=int, default=d.staleness, help=staleness_help)
-    g.add_argument("--mesh-shape", type=comma_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
-    add_remat_flag(g, d.remat)
+    (``jaxdp.step_config.StrategyOptions``), from their fields; ``defaults`` holds their defaults."""
+    names = [f.name for f in declared(StrategyOptions) if f.name != "strategy"]
+    add_arguments(group, StrategyOptions, names, defaults=defaults, sync_bn=sync_bn_help, staleness=staleness_help)
 
 
 def add_remat_flag(group, default="unit") -> None:
     """``--remat``: what a zero3/hsdp FSDP unit keeps for backward (train, parity, bench, inspect)."""
-    from jaxdp import choices
-
-    group.add_argument("--remat", default=default, metavar=choices.listing(choices.REMATS),
-                       help="zero3, hsdp: unit = keep each unit's input and recompute it in backward (least "
-                            "memory); none = keep its activations, gather its params again (FSDP2's default)")
-
-
-MESH_HELP = ("named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product is the "
-             "device count)")
+    add_field(group, StrategyOptions.__dataclass_fields__["remat"], default)
 
 
 def add_mesh_flag(group, default=None, *, what: str = "") -> None:
