@@ -53,7 +53,7 @@ def start_state(cfg: TrainConfig, setup, ckpt, example, is_main: bool):
 
     strategy = setup.strategy
     if not cfg.resume:
-        return strategy.init(jax.random.key(cfg.seed), example), (0, 0), 0  # each device builds its shards
+        return setup.trainer.init(jax.random.key(cfg.seed), example), (0, 0), 0  # each device builds its shards
     if ckpt.latest_step() is None:  # checkpoint folders, but none that orbax lists as complete
         raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out))
     # Into shapes and shardings only: a ZeRO-3 restore builds no full (or even fresh) state.

@@ -71,7 +71,7 @@ def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callab
         throughput.restart()  # the first interval holds the compile, or the last evaluation
         for step_in_epoch, (batch, ids) in enumerate(batches, start=first):
             records.before_step(batch)
-            run.state, metrics = strategy.step(run.state, batch)
+            run.state, metrics = run.trainer.step(run.state, batch)
             # Bookkeeping at once, so that from here on the state in hand and its step number
             # agree wherever an exception lands (the loop spends its time in records.write).
             run.step_done(epoch, step_in_epoch + 1)
@@ -125,7 +125,8 @@ class _Run:
         from jaxdp.rundir import TENSORBOARD_DIR, MetricsLog, SampleLog, remove_run_files, write_config
         from jaxdp.train_setup import example_batch, startup_header
 
-        self.cfg, self.setup, self.strategy, self.interrupt = cfg, setup, setup.strategy, interrupt
+        self.cfg, self.setup, self.interrupt = cfg, setup, interrupt
+        self.trainer, self.strategy = setup.trainer, setup.strategy
         self.is_main = jax.process_index() == 0
         self.job = jax.process_count() > 1
         self.ranks = process_ranks(self.strategy.mesh, self.strategy.batch_axes)  # this process's rows
@@ -176,7 +177,7 @@ class _Run:
         from jaxdp.distributed import barrier
 
         barrier("evaluate")
-        result = evaluate(self.strategy, self.state, self.setup.test_set, self.setup.per_device, self.ranks)
+        result = evaluate(self.trainer, self.state, self.setup.test_set, self.setup.per_device, self.ranks)
         self.log.eval(self.global_step, epoch, result)
         if self.is_main:
             say(f"step {self.global_step} (epoch {epoch + 1}): eval loss {result['loss']:.4f} "
@@ -220,15 +221,15 @@ class _Run:
         self.ckpt.close()
 
 
-def evaluate(strategy, state, test_set, per_device: int, ranks=None) -> dict:
+def evaluate(trainer, state, test_set, per_device: int, ranks=None) -> dict:
     """Loss and accuracy over the whole test set; ``ranks``: the rows this process feeds."""
     from jaxdp.data.loader import eval_batches
 
     totals = np.zeros(3)
-    for batch in eval_batches(test_set, num_replicas=strategy.num_devices, batch_per_replica=per_device,
+    for batch in eval_batches(test_set, num_replicas=trainer.strategy.num_devices, batch_per_replica=per_device,
                               ranks=ranks):
-        out = strategy.evaluate(state, strategy.shard_batch(
-            {"image": _flat(batch.images), "label": _flat(batch.labels), "mask": _flat(batch.mask)}))
+        out = trainer.evaluate(state, {"image": _flat(batch.images), "label": _flat(batch.labels),
+                                       "mask": _flat(batch.mask)})
         totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"])]
     return {"loss": totals[0] / totals[2], "accuracy": totals[1] / totals[2], "count": int(totals[2])}
 

@@ -21,13 +21,18 @@ IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10, the synthetic set and digits (padded)
 
 @dataclass
 class Setup:
-    strategy: Any
+    trainer: Any  # the public API's jaxdp.Trainer: the run drives it as any user would
     schedule: Any
     train_set: Any
     test_set: Any
     per_device: int  # images per device per update (all its micro-batches)
     steps_per_epoch: int
     total_steps: int  # updates in the whole run (--max-steps, else --epochs whole epochs)
+
+    @property
+    def strategy(self):
+        """The trainer's strategy: the layout the run checkpoints and the data feed splits batches by."""
+        return self.trainer.strategy
 
 
 def build(cfg: TrainConfig) -> Setup:
@@ -38,9 +43,9 @@ def build(cfg: TrainConfig) -> Setup:
     from jaxdp.models import create_model, fsdp_units
     from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
     from jaxdp.perf import enable_compile_cache
-    from jaxdp.strategies import STRATEGIES, create_strategy
+    from jaxdp.strategies import STRATEGIES
     from jaxdp.strategies import options_of as options_of_strategy
-    from jaxdp.task import classifier
+    from jaxdp.trainer import StrategySpec, Trainer, classifier
 
     join_job(cfg.init_timeout, cfg.heartbeat_timeout)  # before anything asks jax for its devices
     enable_compile_cache(cfg.compile_cache)
@@ -64,9 +69,10 @@ def build(cfg: TrainConfig) -> Setup:
                         weight_decay=cfg.weight_decay)
     if "units" in options_of_strategy(cfg.strategy) and not pipeline:  # a stage's vector is its one unit
         options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
-    strategy = create_strategy(cfg.strategy, model, classifier(model), tx, mesh, accum_steps=cfg.accum_steps,
-                               sync_bn=cfg.sync_bn, seed=cfg.seed, log_grad_norm=True, **options, **pipeline)
-    return Setup(strategy, schedule, train_set, test_set, per_device, steps, total)
+    spec = StrategySpec(cfg.strategy, dict(accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, seed=cfg.seed,
+                                           log_grad_norm=True, **options, **pipeline))
+    trainer = Trainer(model, classifier(model), tx, spec, mesh)
+    return Setup(trainer, schedule, train_set, test_set, per_device, steps, total)
 
 
 def data_parallel_size(mesh) -> int:
