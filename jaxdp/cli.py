@@ -3,8 +3,9 @@
 parity and bench are registered by entry point (``jaxdp.commands``) and loaded only when
 they, or the full help, are asked for: ``jaxdp train`` never imports the torch side.
 
-Nothing here imports jax at module level: ``--devices N`` must be able to set
-XLA's simulated-device flag before jax starts.
+The parser is built from jax-free modules (the configuration tree, ``jaxdp.config``), so
+that ``main`` can set ``--devices N`` as XLA's simulated-device flag (``jaxdp.startup``)
+before a command's own modules, which import jax, are loaded.
 """
 
 import argparse
@@ -13,8 +14,15 @@ import math
 import sys
 from typing import List, Optional
 
-from jaxdp.config import SECTIONS, SHARED
+from jaxdp import __version__, config_file, startup
+from jaxdp.analysis.command import add_inspect_args, run as run_inspect
+from jaxdp.commands import CommandError, registered
+from jaxdp.config import SECTIONS, SHARED, TrainConfig, TrainError, check_config
+from jaxdp.distributed import distributed_env
 from jaxdp.flags import PARSER_OPTIONS
+from jaxdp.interrupts import exit_status, interrupted_message
+from jaxdp.launch import LaunchError, launch
+from jaxdp.mesh import MeshError, parse_mesh
 from jaxdp.options import add_arguments
 
 
@@ -29,8 +37,6 @@ def _add_sections(p: argparse.ArgumentParser, titles) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from jaxdp.config import TrainConfig
-
     fields = TrainConfig.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in fields}
     if isinstance(values.get("resume"), str):  # --resume RUN_DIR: that run's directory is --out
@@ -62,8 +68,6 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from jaxdp.launch import launch
-
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return launch(command, nprocs=args.nprocs, devices_per_proc=args.devices_per_proc,
                   coordinator=args.coordinator, num_processes=args.num_processes,
@@ -85,22 +89,16 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jaxdp.analysis.command import run
-
-    return run(args)
+    return run_inspect(args)
 
 
 def _user_errors():
     """Exceptions that mean 'the user asked for something impossible': one line, no traceback."""
     from jaxdp.checkpoint import CheckpointError
-    from jaxdp.commands import CommandError
     from jaxdp.data import DatasetError
-    from jaxdp.mesh import MeshError
     from jaxdp.models import ModelError
     from jaxdp.optim import ConfigError
     from jaxdp.strategies import StrategyError
-    from jaxdp.launch import LaunchError
-    from jaxdp.config import TrainError
 
     return (CommandError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError,
             TrainError)
@@ -115,8 +113,6 @@ BUILT_IN = ("train", "launch", "inspect")
 
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` one of ``BUILT_IN``, without the registered commands."""
-    from jaxdp import __version__
-
     parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__.splitlines()[0], **PARSER_OPTIONS)
     parser.add_argument("--version", action="version", version=f"jaxdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,8 +124,6 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     add_launch_args(p)
     p.set_defaults(func=cmd_launch)
     p = _subcommand(sub, "inspect", "per-device memory and collective traffic of a strategy vs the ZeRO formulas")
-    from jaxdp.analysis.command import add_inspect_args  # jax-free at import
-
     add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
     if command not in BUILT_IN:
@@ -139,8 +133,6 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 
 def _add_registered_commands(sub) -> None:
     """The subcommands other packages register (``jaxdp.commands``): parity and bench."""
-    from jaxdp.commands import registered
-
     for name, command in registered().items():
         p = _subcommand(sub, name, command.summary)
         command.add_args(p)  # jax- and torch-free: the parser works without the extra
@@ -148,8 +140,6 @@ def _add_registered_commands(sub) -> None:
 
 
 def _run_registered(name: str, command, args: argparse.Namespace) -> int:
-    from jaxdp.commands import CommandError
-
     if command.missing():
         raise CommandError(command.install_hint(name))
     return command.run(args)
@@ -158,15 +148,11 @@ def _run_registered(name: str, command, args: argparse.Namespace) -> int:
 def with_file_options(parser: argparse.ArgumentParser, argv: Optional[List[str]], args: argparse.Namespace):
     """``jaxdp train``'s arguments again, with ``--resume RUN_DIR``'s config.json and then
     ``--config FILE`` as the defaults: what the command line says wins."""
-    from jaxdp import config_file
-
     values = {}
     if isinstance(args.resume, str):
         values.update(config_file.run_config(args.resume))
     if args.config:
         values.update(config_file.load(args.config, drop=config_file.NOT_INHERITED if args.resume else ()))
-    from jaxdp.config import TrainConfig, TrainError
-
     if isinstance(args.resume, str) and args.out not in (TrainConfig().out, args.resume):
         raise TrainError(f"--resume {args.resume} continues the run in that directory: drop --out {args.out}")
     if not values:
@@ -183,8 +169,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "train":
             args = with_file_options(parser, argv, args)
-            from jaxdp.config import check_config
-
             check_config(config_from_args(args))  # e.g. --devices 0 before it reaches XLA
         _simulate_devices(args)
         return args.func(args)
@@ -192,30 +176,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from jaxdp.interrupts import exit_status, interrupted_message
-
         print(f"jaxdp: {interrupted_message(e)}", file=sys.stderr)
         return exit_status(e)
 
 
 def _simulate_devices(args: argparse.Namespace) -> None:
-    """--devices N on CPU: ask XLA for N devices, before jax is imported (a no-op for GPUs,
-    and when XLA_FLAGS already fixes the count)."""
+    """--devices N on CPU: ask XLA for N devices, before jax is imported (``jaxdp.startup``)."""
     devices = getattr(args, "devices", None)
     if isinstance(getattr(args, "mesh", None), str):  # --mesh in train, inspect, parity
-        from jaxdp.mesh import MeshError, parse_mesh
-
         try:
             devices = devices or math.prod(parse_mesh(args.mesh).values())
         except MeshError:
             pass  # the command's own check says what is wrong with it, in one line
-    if devices:
-        from jaxdp.distributed import distributed_env
-        from jaxdp.mesh import simulate_cpu_devices
-
-        job = distributed_env() if args.command == "train" else None  # --devices is the job's total
-        simulate_cpu_devices(devices // job.num_processes if job and devices % job.num_processes == 0
-                             else devices)
+    job = distributed_env() if devices and args.command == "train" else None  # --devices is the job's total
+    startup.configure(devices, job.num_processes if job else 1)
 
 
 if __name__ == "__main__":

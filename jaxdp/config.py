@@ -7,12 +7,14 @@ the one flat config both trainers read (``cfg.lr``, ``TrainConfig(lr=0.1)``). It
 (``TrainConfig.fingerprint``) are generated from these fields.
 """
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from jaxdp import choices
+from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
 from jaxdp.options import option
 from jaxdp.options import fingerprint as number_fingerprint
 from jaxdp.step_config import StrategyOptions
@@ -24,8 +26,6 @@ class TrainError(ValueError):
 
 def step_range(text: str) -> Tuple[int, int]:
     """``--profile-steps A:B``."""
-    import argparse
-
     try:
         start, stop = (int(x) for x in text.split(":"))
     except ValueError:
@@ -177,8 +177,6 @@ def mesh_devices(cfg: TrainConfig) -> Optional[int]:
     unknown axis, or whose sizes do not multiply to ``--devices``, is one line."""
     if cfg.mesh is None:
         return cfg.devices
-    from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
-
     try:
         sizes = mesh_sizes(cfg.mesh, cfg.devices)
     except MeshError as e:
@@ -276,7 +274,7 @@ def per_device_batch(cfg: TrainConfig, devices: int) -> int:
 
 def epoch_length(num_samples: int, devices: int, per_device: int) -> int:
     """Steps per epoch; a training set smaller than one global batch is an error."""
-    from jaxdp.data.loader import steps_per_epoch
+    from jaxdp.data.loader import steps_per_epoch  # jaxdp.data takes most of a second to import: not for --help
 
     try:
         return steps_per_epoch(num_samples, devices, per_device)

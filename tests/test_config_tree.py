@@ -57,3 +57,26 @@ def test_a_flag_sets_its_field(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('remat = "none"\nblocks = [1, 2, 1, 1]\nprogress = false\n')
     assert config_file.load(str(path)) == {"remat": "none", "blocks": (1, 2, 1, 1), "progress": False}
+
+
+def test_the_parser_starts_no_jax_so_devices_can_still_be_set():
+    """jaxdp.startup sets XLA's device flags after parsing: everything the parser needs is jax-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from jaxdp.cli import build_parser; build_parser().parse_args(['train', '--devices', '3']); "
+            "assert 'jax' not in sys.modules, 'jax imported before the device flags are set'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_startup_asks_each_process_for_its_share_of_the_devices(monkeypatch):
+    from jaxdp import startup
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    startup.configure(8, processes=2)
+    assert startup.preset_device_count() == f"{startup.FORCE_FLAG}=4"
+    startup.configure(6)  # a count already set stays: jax may have read it
+    assert startup.preset_device_count() == f"{startup.FORCE_FLAG}=4"
+    assert startup.with_device_count("--a --xla_force_host_platform_device_count=4", 2) == \
+        f"--a {startup.FORCE_FLAG}=2"
