@@ -19,11 +19,10 @@ from jaxdp.analysis.command import add_inspect_args, run as run_inspect
 from jaxdp.commands import CommandError, registered
 from jaxdp.config import SECTIONS, SHARED, TrainConfig, TrainError, check_config
 from jaxdp.distributed import distributed_env
-from jaxdp.flags import PARSER_OPTIONS
+from jaxdp.flags import PARSER_OPTIONS, add_arguments
 from jaxdp.interrupts import exit_status, interrupted_message
 from jaxdp.launch import LaunchError, launch
 from jaxdp.mesh import MeshError, parse_mesh
-from jaxdp.options import add_arguments
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

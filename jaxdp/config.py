@@ -7,34 +7,21 @@ the one flat config both trainers read (``cfg.lr``, ``TrainConfig(lr=0.1)``). It
 (``TrainConfig.fingerprint``) are generated from these fields.
 """
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from jaxdp import choices
+from jaxdp.flags import MESH_HELP, step_range
 from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
-from jaxdp.options import option
 from jaxdp.options import fingerprint as number_fingerprint
+from jaxdp.options import option
 from jaxdp.step_config import StrategyOptions
 
 
 class TrainError(ValueError):
     """A configuration that cannot be trained, caught before any work is done (both trainers)."""
-
-
-def step_range(text: str) -> Tuple[int, int]:
-    """``--profile-steps A:B``."""
-    try:
-        start, stop = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B (steps A to B-1), got {text!r}") from None
-    return start, stop
-
-
-MESH_HELP = ("named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product is the "
-             "device count)")
 
 
 @dataclass

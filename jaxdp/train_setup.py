@@ -19,10 +19,10 @@ from jaxdp.config import (TrainConfig, TrainError, batchnorm_batch_error, check_
                           total_steps)
 from jaxdp.data import load_dataset
 from jaxdp.distributed import join_job
+from jaxdp.flags import flag_name
 from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS, STAGE_AXIS, MeshError, axis_size, make_mesh, parse_mesh
 from jaxdp.models import ModelError, create_model, fsdp_units
 from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
-from jaxdp.options import flag_name
 from jaxdp.perf import enable_compile_cache
 from jaxdp.startup import preset_device_count
 from jaxdp.strategies import REGISTRY, STRATEGIES, StrategyError, options_of
