@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from jaxdp import choices
-from jaxdp.flags import MESH_HELP, step_range
+from jaxdp.flags import MESH_HELP, flag_name, step_range
 from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
 from jaxdp.options import fingerprint as number_fingerprint
-from jaxdp.options import option
+from jaxdp.options import declared, option
 from jaxdp.step_config import StrategyOptions
 
 
@@ -54,20 +54,21 @@ class Parallelism(StrategyOptions):
                                  numbers=False)
     microbatches: Optional[int] = option(
         None, "pipeline micro-batches per device and update, with a stage axis in --mesh (default: the stage count)",
-        numbers=False)
+        numbers=False, at_least=1, hint=" (omit it for one per stage)")
     devices: Optional[int] = option(
         None, "devices to use (default: all). On a CPU-only machine --devices N simulates N devices (any N >= 1), "
               "unless XLA_FLAGS already sets --xla_force_host_platform_device_count, which then fixes how many "
-              "there are", numbers=False)
+              "there are", numbers=False, at_least=1, hint=" (omit it to use every device)")
     global_batch_size: int = option(128, "images per update, over every device and micro-batch", numbers=True,
-                                    flags=("--batch-size",))
+                                    flags=("--batch-size",), at_least=1)
 
 
 @dataclass
 class Optimisation:
-    epochs: int = option(1, "passes over the training set", numbers=True)
+    epochs: int = option(1, "passes over the training set", numbers=True, at_least=1)
     max_steps: Optional[int] = option(
-        None, "updates in all, overriding --epochs (the lr schedule spans them; default: --epochs)", numbers=True)
+        None, "updates in all, overriding --epochs (the lr schedule spans them; default: --epochs)", numbers=True,
+        at_least=1, hint=" (omit it to train --epochs)")
     optimizer: str = option("sgd", "torch.optim's semantics", numbers=True, choices=choices.OPTIMIZERS)
     lr: float = option(0.1, "peak learning rate", numbers=True)
     momentum: float = option(0.9, "sgd momentum", numbers=True)
@@ -90,10 +91,12 @@ class Output:
                           parse=str, nargs="?", const=True, metavar="RUN_DIR")
     overwrite: bool = option(False, "start over in an --out that holds an earlier run: delete its checkpoints and "
                                     "metrics", numbers=False)
-    checkpoint_every: int = option(0, "steps (0 = each epoch)", numbers=False)
-    keep: int = option(3, "newest checkpoints to keep", numbers=False)
+    checkpoint_every: int = option(0, "steps (0 = each epoch)", numbers=False, at_least=0,
+                                   hint=" (0 = once per epoch)")
+    keep: int = option(3, "newest checkpoints to keep", numbers=False, at_least=1)
     eval_every: int = option(0, "also evaluate every N steps (0 = only at the end of each epoch, which always "
-                                "evaluates)", numbers=False)
+                                "evaluates)", numbers=False, at_least=0,
+                           hint=" (0 = at the end of each epoch)")
     progress: bool = option(True, "no progress bar", numbers=False)
     tensorboard: bool = option(True, "no TensorBoard scalars in OUT/tensorboard (metrics.jsonl has the same "
                                      "numbers)", numbers=False)
@@ -118,7 +121,8 @@ class Performance:
                 "device's memory)", numbers=False, choices=("auto", "on", "off"))
     data_workers: Optional[int] = option(
         None, "host pipeline (data not on the devices): crop in N processes (0 = one background thread; default 0 "
-              "on CPU, else half the cores, at most 8)", numbers=False)
+              "on CPU, else half the cores, at most 8)", numbers=False, at_least=0,
+        hint=" (0 = a background thread)")
     profile_steps: Optional[Tuple[int, int]] = option(
         None, "write a jax.profiler trace of steps A..B-1 to OUT/tensorboard (TensorBoard's profile tab)",
         numbers=False, parse=step_range, metavar="A:B")
@@ -180,20 +184,12 @@ def check_config(cfg: TrainConfig) -> None:
     by the trainers' factories, still before any data is loaded.)"""
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
-    _at_least("--global-batch-size", cfg.global_batch_size, 1)
-    _at_least("--accum-steps", cfg.accum_steps, 1)
-    if cfg.devices is not None:
-        _at_least("--devices", cfg.devices, 1, hint=" (omit it to use every device)")
+    for f in declared(TrainConfig):  # the bounds the fields declare
+        value, minimum = getattr(cfg, f.name), f.metadata["at_least"]
+        if minimum is not None and value is not None and value < minimum:
+            raise TrainError(f"{flag_name(f.name)} must be >= {minimum}{f.metadata['hint']}, got {value}")
     if cfg.mesh is not None:
         mesh_devices(cfg)
-    if cfg.microbatches is not None:
-        _at_least("--microbatches", cfg.microbatches, 1, hint=" (omit it for one per stage)")
-    _at_least("--epochs", cfg.epochs, 1)
-    _at_least("--checkpoint-every", cfg.checkpoint_every, 0, hint=" (0 = once per epoch)")
-    _at_least("--eval-every", cfg.eval_every, 0, hint=" (0 = at the end of each epoch)")
-    _at_least("--keep", cfg.keep, 1)
-    if cfg.max_steps is not None:
-        _at_least("--max-steps", cfg.max_steps, 1, hint=" (omit it to train --epochs)")
     if cfg.profile_steps is not None and not (len(cfg.profile_steps) == 2 and 1 <= cfg.profile_steps[0]
                                               < cfg.profile_steps[1]):
         raise TrainError(f"--profile-steps takes A:B with 1 <= A < B (steps A to B-1 are traced), got "
@@ -204,8 +200,6 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"--synthetic-size takes two positive counts TRAIN,TEST (e.g. 10000,2000), "
                          f"got {','.join(map(str, cfg.synthetic_size))}")
     check_choice("--data-on-device", cfg.data_on_device, choices_of("data_on_device"))
-    if cfg.data_workers is not None:
-        _at_least("--data-workers", cfg.data_workers, 0, hint=" (0 = a background thread)")
     _check_milestones(cfg)
     _check_powersgd_flags(cfg)
 
@@ -218,11 +212,6 @@ def check_choice(flag: str, value: str, names) -> None:
 def choices_of(name: str) -> Tuple[str, ...]:
     """The names a field of the tree takes, as its option declares them."""
     return TrainConfig.__dataclass_fields__[name].metadata["choices"]
-
-
-def _at_least(flag: str, value: int, minimum: int, hint: str = "") -> None:
-    if value < minimum:
-        raise TrainError(f"{flag} must be >= {minimum}{hint}, got {value}")
 
 
 def _check_milestones(cfg: TrainConfig) -> None:

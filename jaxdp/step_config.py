@@ -30,7 +30,7 @@ class StrategyOptions:
     the others must stay at their defaults."""
 
     strategy: str = option("ddp", "data-parallel strategy", numbers=False, choices=choices.STRATEGIES)
-    accum_steps: int = option(1, "micro-batches per update (torch no_sync)", numbers=True)
+    accum_steps: int = option(1, "micro-batches per update (torch no_sync)", numbers=True, at_least=1)
     sync_bn: bool = option(False, "global BatchNorm statistics (SyncBatchNorm)", numbers=True)
     bucket_cap_mb: float = option(25.0, "ddp gradient bucket size in MiB (inf: one bucket)", numbers=False,
                                   strategy_option=True)

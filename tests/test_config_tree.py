@@ -80,3 +80,14 @@ def test_startup_asks_each_process_for_its_share_of_the_devices(monkeypatch):
     assert startup.preset_device_count() == f"{startup.FORCE_FLAG}=4"
     assert startup.with_device_count("--a --xla_force_host_platform_device_count=4", 2) == \
         f"--a {startup.FORCE_FLAG}=2"
+
+
+def test_every_declared_bound_is_checked_in_one_line():
+    from jaxdp.config import TrainError, check_config
+
+    bounded = {f.name: f.metadata["at_least"] for f in FIELDS if f.metadata["at_least"] is not None}
+    assert {"global_batch_size", "accum_steps", "devices", "epochs", "keep", "max_steps"} <= set(bounded)
+    for name, minimum in bounded.items():
+        check_config(TrainConfig(**{name: minimum}))
+        with pytest.raises(TrainError, match=f"^--{name.replace('_', '-')} must be >= {minimum}"):
+            check_config(TrainConfig(**{name: minimum - 1}))
