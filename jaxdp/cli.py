@@ -3,8 +3,9 @@
 parity and bench are registered by entry point (``jaxdp.commands``) and loaded only when
 they, or the full help, are asked for: ``jaxdp train`` never imports the torch side.
 
-Nothing here imports jax at module level: ``--devices N`` must be able to set
-XLA's simulated-device flag before jax starts.
+The parser is built from jax-free modules (the configuration tree, ``jaxdp.config``), so
+that ``main`` can set ``--devices N`` as XLA's simulated-device flag (``jaxdp.startup``)
+before a command's own modules, which import jax, are loaded.
 """
 
 import argparse
@@ -13,86 +14,28 @@ import math
 import sys
 from typing import List, Optional
 
-from jaxdp.flags import PARSER_OPTIONS
-from jaxdp.flags import add_mesh_flag, add_strategy_flags, comma_ints as _ints
-
-
-def _step_range(text: str):
-    try:
-        start, stop = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B (steps A to B-1), got {text!r}") from None
-    return start, stop
+from jaxdp import __version__, config_file, startup
+from jaxdp.analysis.command import add_inspect_args, run as run_inspect
+from jaxdp.commands import CommandError, registered
+from jaxdp.config import SECTIONS, SHARED, TrainConfig, TrainError, check_config
+from jaxdp.distributed import distributed_env
+from jaxdp.flags import PARSER_OPTIONS, add_arguments
+from jaxdp.interrupts import exit_status, interrupted_message
+from jaxdp.launch import LaunchError, launch
+from jaxdp.mesh import MeshError, parse_mesh
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from jaxdp import choices
-    from jaxdp.config import TrainConfig
+    """The flags both trainers take (torch_ref.train shares these): the tree's shared sections."""
+    _add_sections(p, SHARED)
 
-    d = TrainConfig()
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, metavar=choices.listing(choices.MODELS), help="architecture")
-    g.add_argument("--width", type=int, default=d.width, help="ResNet: channels of the first stage (64 = torchvision)")
-    g.add_argument("--blocks", type=_ints, default=d.blocks,
-                   help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the named depth's)")
-    g.add_argument("--stem", default=d.stem, metavar=choices.listing(choices.STEMS), help="ResNet stem: 3x3 conv or 7x7 + max-pool")
-    g.add_argument("--dtype", default=d.dtype, metavar=choices.listing(choices.DTYPES),
-                   help="bfloat16: bf16 compute with float32 params")
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=d.dataset, metavar=choices.listing(choices.DATASETS), help="synthetic works offline")
-    g.add_argument("--data-dir", default=d.data_dir, help="CIFAR-10 folder or archive (default $JAXDP_DATA_DIR or ./data)")
-    g.add_argument("--download", action="store_true", help="download CIFAR-10 if it is missing")
-    g.add_argument("--synthetic-size", type=_ints, default=d.synthetic_size, help="train,test sizes of the synthetic set")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
-    add_mesh_flag(g, d.mesh, what="model parallelism beside the data-parallel strategy")
-    g.add_argument("--microbatches", type=int, default=d.microbatches,
-                   help="pipeline micro-batches per device and update, with a stage axis in --mesh "
-                        "(default: the stage count)")
-    g.add_argument("--devices", type=int, default=d.devices,
-                   help="devices to use (default: all). On a CPU-only machine --devices N simulates N devices"
-                        " (any N >= 1), unless XLA_FLAGS already sets --xla_force_host_platform_device_count,"
-                        " which then fixes how many there are")
-    g.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
-                   help="images per update, over every device and micro-batch")
-    add_strategy_flags(g, d, sync_bn_help="global BatchNorm statistics (SyncBatchNorm)",
-                       staleness_help="async: max staleness k of worker weights")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training set")
-    g.add_argument("--max-steps", type=int, default=d.max_steps,
-                   help="updates in all, overriding --epochs (the lr schedule spans them; default: --epochs)")
-    g.add_argument("--optimizer", default=d.optimizer, metavar=choices.listing(choices.OPTIMIZERS), help="torch.optim's semantics")
-    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    g.add_argument("--momentum", type=float, default=d.momentum, help="sgd momentum")
-    g.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="L2 added to the gradient (sgd, adam) or decoupled (adamw)")
-    g.add_argument("--schedule", default=d.schedule, metavar=choices.listing(choices.SCHEDULES), help="lr schedule over the updates")
-    g.add_argument("--milestones", type=_ints, default=d.milestones,
-                   help="multistep (required): EPOCHS at whose first step the lr is multiplied by --gamma,"
-                        " e.g. 100,150 (torch's MultiStepLR stepped once per epoch)")
-    g.add_argument("--gamma", type=float, default=d.gamma, help="multistep: lr factor at each milestone")
-    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="warmup_cosine: linear warmup updates")
-    g.add_argument("--seed", type=int, default=d.seed, help="init, shuffling and augmentation")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default=d.out, help="run directory: metrics.jsonl, config.json, checkpoints/")
-    g.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
-                   help="continue from the latest checkpoint in --out; or in RUN_DIR, with that run's "
-                        "options (its config.json), any flag given here overriding them")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start over in an --out that holds an earlier run: delete its checkpoints and metrics")
-    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps (0 = each epoch)")
-    g.add_argument("--keep", type=int, default=d.keep, help="newest checkpoints to keep")
-    g.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="also evaluate every N steps (0 = only at the end of each epoch, which always evaluates)")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
-                   help="no TensorBoard scalars in OUT/tensorboard (metrics.jsonl has the same numbers)")
+
+def _add_sections(p: argparse.ArgumentParser, titles) -> None:
+    for title in titles:
+        add_arguments(p.add_argument_group(title), SECTIONS[title])
 
 
 def config_from_args(args: argparse.Namespace):
-    from jaxdp.config import TrainConfig
-
     fields = TrainConfig.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in fields}
     if isinstance(values.get("resume"), str):  # --resume RUN_DIR: that run's directory is --out
@@ -115,32 +58,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
-    """jaxdp train's own options (torch_ref.train shares add_train_args, not these)."""
-    from jaxdp.config import TrainConfig
-
-    d = TrainConfig()
-    g = p.add_argument_group("multi-process jobs (jaxdp launch, srun) and fault tolerance")
-    g.add_argument("--init-timeout", type=int, default=d.init_timeout,
-                   help="seconds for every process to join the job before a clear error")
-    g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout,
-                   help="seconds before the processes give up on a peer that stopped answering")
-    g.add_argument("--log-sample-ids", action="store_true",
-                   help="write each step's dataset ids to OUT/sample_ids.p<process>.jsonl")
-    g = p.add_argument_group("performance")
-    g.add_argument("--data-on-device", default=d.data_on_device, metavar="{auto,on,off}",
-                   help="keep the training set on every device and augment there (auto: if it takes at most 1/8 "
-                        "of a device's memory)")
-    g.add_argument("--data-workers", type=int, default=d.data_workers,
-                   help="host pipeline (data not on the devices): crop in N processes (0 = one background thread; "
-                        "default 0 on CPU, else half the cores, at most 8)")
-    g.add_argument("--profile-steps", type=_step_range, default=d.profile_steps, metavar="A:B",
-                   help="write a jax.profiler trace of steps A..B-1 to OUT/tensorboard (TensorBoard's profile tab)")
-    g.add_argument("--peak-flops", type=float, default=d.peak_flops,
-                   help="peak FLOP/s per device, for MFU in the train records (default: known GPUs' bf16 peak "
-                        "with --dtype bfloat16, else MFU is n/a)")
-    g.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
-                   help="do not use JAX's persistent compilation cache (default: $JAX_COMPILATION_CACHE_DIR, else "
-                        "$JAXDP_CACHE_DIR or ~/.cache/jaxdp)")
+    """jaxdp train's own flags (torch_ref.train shares add_train_args, not these)."""
+    _add_sections(p, [title for title in SECTIONS if title not in SHARED])
     g = p.add_argument_group("config file")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="options from a .toml, .json or .yaml file (keys: the flags' names, e.g. "
@@ -148,8 +67,6 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from jaxdp.launch import launch
-
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return launch(command, nprocs=args.nprocs, devices_per_proc=args.devices_per_proc,
                   coordinator=args.coordinator, num_processes=args.num_processes,
@@ -171,22 +88,16 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jaxdp.analysis.command import run
-
-    return run(args)
+    return run_inspect(args)
 
 
 def _user_errors():
     """Exceptions that mean 'the user asked for something impossible': one line, no traceback."""
     from jaxdp.checkpoint import CheckpointError
-    from jaxdp.commands import CommandError
     from jaxdp.data import DatasetError
-    from jaxdp.mesh import MeshError
     from jaxdp.models import ModelError
     from jaxdp.optim import ConfigError
     from jaxdp.strategies import StrategyError
-    from jaxdp.launch import LaunchError
-    from jaxdp.config import TrainError
 
     return (CommandError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError,
             TrainError)
@@ -201,8 +112,6 @@ BUILT_IN = ("train", "launch", "inspect")
 
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` one of ``BUILT_IN``, without the registered commands."""
-    from jaxdp import __version__
-
     parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__.splitlines()[0], **PARSER_OPTIONS)
     parser.add_argument("--version", action="version", version=f"jaxdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -214,8 +123,6 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     add_launch_args(p)
     p.set_defaults(func=cmd_launch)
     p = _subcommand(sub, "inspect", "per-device memory and collective traffic of a strategy vs the ZeRO formulas")
-    from jaxdp.analysis.command import add_inspect_args  # jax-free at import
-
     add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
     if command not in BUILT_IN:
@@ -225,8 +132,6 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 
 def _add_registered_commands(sub) -> None:
     """The subcommands other packages register (``jaxdp.commands``): parity and bench."""
-    from jaxdp.commands import registered
-
     for name, command in registered().items():
         p = _subcommand(sub, name, command.summary)
         command.add_args(p)  # jax- and torch-free: the parser works without the extra
@@ -234,8 +139,6 @@ def _add_registered_commands(sub) -> None:
 
 
 def _run_registered(name: str, command, args: argparse.Namespace) -> int:
-    from jaxdp.commands import CommandError
-
     if command.missing():
         raise CommandError(command.install_hint(name))
     return command.run(args)
@@ -244,15 +147,11 @@ def _run_registered(name: str, command, args: argparse.Namespace) -> int:
 def with_file_options(parser: argparse.ArgumentParser, argv: Optional[List[str]], args: argparse.Namespace):
     """``jaxdp train``'s arguments again, with ``--resume RUN_DIR``'s config.json and then
     ``--config FILE`` as the defaults: what the command line says wins."""
-    from jaxdp import config_file
-
     values = {}
     if isinstance(args.resume, str):
         values.update(config_file.run_config(args.resume))
     if args.config:
         values.update(config_file.load(args.config, drop=config_file.NOT_INHERITED if args.resume else ()))
-    from jaxdp.config import TrainConfig, TrainError
-
     if isinstance(args.resume, str) and args.out not in (TrainConfig().out, args.resume):
         raise TrainError(f"--resume {args.resume} continues the run in that directory: drop --out {args.out}")
     if not values:
@@ -269,8 +168,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "train":
             args = with_file_options(parser, argv, args)
-            from jaxdp.config import check_config
-
             check_config(config_from_args(args))  # e.g. --devices 0 before it reaches XLA
         _simulate_devices(args)
         return args.func(args)
@@ -278,30 +175,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from jaxdp.interrupts import exit_status, interrupted_message
-
         print(f"jaxdp: {interrupted_message(e)}", file=sys.stderr)
         return exit_status(e)
 
 
 def _simulate_devices(args: argparse.Namespace) -> None:
-    """--devices N on CPU: ask XLA for N devices, before jax is imported (a no-op for GPUs,
-    and when XLA_FLAGS already fixes the count)."""
+    """--devices N on CPU: ask XLA for N devices, before jax is imported (``jaxdp.startup``)."""
     devices = getattr(args, "devices", None)
     if isinstance(getattr(args, "mesh", None), str):  # --mesh in train, inspect, parity
-        from jaxdp.mesh import MeshError, parse_mesh
-
         try:
             devices = devices or math.prod(parse_mesh(args.mesh).values())
         except MeshError:
             pass  # the command's own check says what is wrong with it, in one line
-    if devices:
-        from jaxdp.distributed import distributed_env
-        from jaxdp.mesh import simulate_cpu_devices
-
-        job = distributed_env() if args.command == "train" else None  # --devices is the job's total
-        simulate_cpu_devices(devices // job.num_processes if job and devices % job.num_processes == 0
-                             else devices)
+    job = distributed_env() if devices and args.command == "train" else None  # --devices is the job's total
+    startup.configure(devices, job.num_processes if job else 1)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,22 @@
-"""The training run's configuration: one flat dataclass shared by the CLI and the trainer."""
+"""``jaxdp train``'s configuration: one tree of typed sections, each field declared once
+with its default, its help and whether it changes the numbers (``jaxdp.options.option``).
+
+The sections below are what ``jaxdp train --help`` groups; ``TrainConfig`` joins them into
+the one flat config both trainers read (``cfg.lr``, ``TrainConfig(lr=0.1)``). Its flags
+(``jaxdp.cli``), config-file keys (``jaxdp.config_file``) and resume fingerprint
+(``TrainConfig.fingerprint``) are generated from these fields.
+"""
 
 import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from jaxdp import choices
+from jaxdp.flags import MESH_HELP, flag_name, step_range
+from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
+from jaxdp.options import fingerprint as number_fingerprint
+from jaxdp.options import declared, option
 from jaxdp.step_config import StrategyOptions
 
 
@@ -13,77 +25,134 @@ class TrainError(ValueError):
 
 
 @dataclass
-class TrainConfig(StrategyOptions):
-    """Every option of a training run. The strategy and its options (``strategy``,
-    ``accum_steps``, ``sync_bn``, ``bucket_cap_mb``, ...) are ``StrategyOptions``, the names
-    and defaults jaxdp parity and torch_ref's step config share."""
+class Model:
+    model: str = option("resnet18", "architecture", numbers=True, choices=choices.MODELS)
+    width: int = option(64, "ResNet: channels of the first stage (64 = torchvision)", numbers=True)
+    blocks: Optional[Tuple[int, int, int, int]] = option(
+        None, "ResNet: blocks per stage, e.g. 1,1,1,1 (default: the named depth's)", numbers=True)
+    stem: str = option("cifar", "ResNet stem: 3x3 conv or 7x7 + max-pool", numbers=True, choices=choices.STEMS)
+    dtype: str = option("float32", "bfloat16: bf16 compute with float32 params", numbers=True,
+                        choices=choices.DTYPES)
 
-    # what to train
-    model: str = "resnet18"
-    width: int = 64
-    blocks: Optional[Tuple[int, int, int, int]] = None
-    stem: str = "cifar"
-    dtype: str = "float32"
-    # data
-    dataset: str = "synthetic"
-    data_dir: Optional[str] = None
-    download: bool = False
-    synthetic_size: Tuple[int, int] = (10000, 2000)
-    data_on_device: str = "auto"  # keep the training set on the devices: auto (if it fits), on, off
-    data_workers: Optional[int] = None  # host pipeline processes (default: 0 on CPU, else half the cores, <= 8)
-    # how to train it (and the strategy with its options: StrategyOptions)
-    devices: Optional[int] = None  # default: every device; on CPU, N simulated devices
-    mesh: Optional[str] = None  # named axis sizes, e.g. "data=2,model=2"; their product is the device count
-    microbatches: Optional[int] = None  # pipeline micro-batches (a stage axis in mesh; default: the stage count)
-    global_batch_size: int = 128
-    # optimisation
-    epochs: int = 1
-    max_steps: Optional[int] = None  # updates in all; overrides epochs (the schedule spans them)
-    optimizer: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 5e-4
-    schedule: str = "cosine"
-    warmup_steps: int = 0
-    milestones: Optional[Tuple[int, ...]] = None  # multistep: epochs at whose start lr *= gamma
-    gamma: float = 0.1
-    seed: int = 0
-    # bookkeeping
-    out: str = "runs/default"
-    resume: bool = False
-    overwrite: bool = False  # a fresh run may delete an earlier run's checkpoints and metrics in out
-    checkpoint_every: int = 0  # steps; 0 = once per epoch
-    keep: int = 3  # newest checkpoints kept
-    eval_every: int = 0  # steps; 0 = at the end of each epoch only (it always evaluates there)
-    progress: bool = True
-    log_sample_ids: bool = False  # write each step's dataset ids to sample_ids.p<process>.jsonl
-    tensorboard: bool = True  # scalars in OUT/tensorboard beside metrics.jsonl (needs tensorboardX)
-    # performance
-    profile_steps: Optional[Tuple[int, int]] = None  # (A, B): a jax.profiler trace of steps A..B-1
-    peak_flops: Optional[float] = None  # per device, FLOP/s, for MFU (default: jaxdp.perf.PEAK_FLOPS)
-    compile_cache: bool = True  # JAX's persistent compilation cache (see jaxdp.perf.enable_compile_cache)
-    # multi-process jobs (jaxdp launch, srun): see jaxdp.distributed
-    init_timeout: int = 300  # seconds for every process to join
-    heartbeat_timeout: int = 100  # seconds before the survivors give up on a silent peer
+
+@dataclass
+class Data:
+    dataset: str = option("synthetic", "synthetic works offline", numbers=True, choices=choices.DATASETS)
+    data_dir: Optional[str] = option(None, "CIFAR-10 folder or archive (default $JAXDP_DATA_DIR or ./data)",
+                                     numbers=False)
+    download: bool = option(False, "download CIFAR-10 if it is missing", numbers=False)
+    synthetic_size: Tuple[int, int] = option((10000, 2000), "train,test sizes of the synthetic set", numbers=True)
+
+
+@dataclass
+class Parallelism(StrategyOptions):
+    """Where the run's devices go: the strategy and its options (``StrategyOptions``), the
+    mesh, and the global batch (part of the numbers: it fixes which samples each step takes,
+    whatever the device count)."""
+
+    mesh: Optional[str] = option(None, MESH_HELP + ": model parallelism beside the data-parallel strategy",
+                                 numbers=False)
+    microbatches: Optional[int] = option(
+        None, "pipeline micro-batches per device and update, with a stage axis in --mesh (default: the stage count)",
+        numbers=False, at_least=1, hint=" (omit it for one per stage)")
+    devices: Optional[int] = option(
+        None, "devices to use (default: all). On a CPU-only machine --devices N simulates N devices (any N >= 1), "
+              "unless XLA_FLAGS already sets --xla_force_host_platform_device_count, which then fixes how many "
+              "there are", numbers=False, at_least=1, hint=" (omit it to use every device)")
+    global_batch_size: int = option(128, "images per update, over every device and micro-batch", numbers=True,
+                                    flags=("--batch-size",), at_least=1)
+
+
+@dataclass
+class Optimisation:
+    epochs: int = option(1, "passes over the training set", numbers=True, at_least=1)
+    max_steps: Optional[int] = option(
+        None, "updates in all, overriding --epochs (the lr schedule spans them; default: --epochs)", numbers=True,
+        at_least=1, hint=" (omit it to train --epochs)")
+    optimizer: str = option("sgd", "torch.optim's semantics", numbers=True, choices=choices.OPTIMIZERS)
+    lr: float = option(0.1, "peak learning rate", numbers=True)
+    momentum: float = option(0.9, "sgd momentum", numbers=True)
+    nesterov: bool = option(False, "sgd: Nesterov momentum", numbers=True)
+    weight_decay: float = option(5e-4, "L2 added to the gradient (sgd, adam) or decoupled (adamw)", numbers=True)
+    schedule: str = option("cosine", "lr schedule over the updates", numbers=True, choices=choices.SCHEDULES)
+    milestones: Optional[Tuple[int, ...]] = option(
+        None, "multistep (required): EPOCHS at whose first step the lr is multiplied by --gamma, e.g. 100,150 "
+              "(torch's MultiStepLR stepped once per epoch)", numbers=True)
+    gamma: float = option(0.1, "multistep: lr factor at each milestone", numbers=True)
+    warmup_steps: int = option(0, "warmup_cosine: linear warmup updates", numbers=True)
+    seed: int = option(0, "init, shuffling and augmentation", numbers=True)
+
+
+@dataclass
+class Output:
+    out: str = option("runs/default", "run directory: metrics.jsonl, config.json, checkpoints/", numbers=False)
+    resume: bool = option(False, "continue from the latest checkpoint in --out; or in RUN_DIR, with that run's "
+                                 "options (its config.json), any flag given here overriding them", numbers=False,
+                          parse=str, nargs="?", const=True, metavar="RUN_DIR")
+    overwrite: bool = option(False, "start over in an --out that holds an earlier run: delete its checkpoints and "
+                                    "metrics", numbers=False)
+    checkpoint_every: int = option(0, "steps (0 = each epoch)", numbers=False, at_least=0,
+                                   hint=" (0 = once per epoch)")
+    keep: int = option(3, "newest checkpoints to keep", numbers=False, at_least=1)
+    eval_every: int = option(0, "also evaluate every N steps (0 = only at the end of each epoch, which always "
+                                "evaluates)", numbers=False, at_least=0,
+                           hint=" (0 = at the end of each epoch)")
+    progress: bool = option(True, "no progress bar", numbers=False)
+    tensorboard: bool = option(True, "no TensorBoard scalars in OUT/tensorboard (metrics.jsonl has the same "
+                                     "numbers)", numbers=False)
+
+
+@dataclass
+class Job:
+    """Multi-process jobs (``jaxdp launch``, srun: see ``jaxdp.distributed``) and fault tolerance."""
+
+    init_timeout: int = option(300, "seconds for every process to join the job before a clear error",
+                               numbers=False)
+    heartbeat_timeout: int = option(100, "seconds before the processes give up on a peer that stopped answering",
+                                    numbers=False)
+    log_sample_ids: bool = option(False, "write each step's dataset ids to OUT/sample_ids.p<process>.jsonl",
+                                  numbers=False)
+
+
+@dataclass
+class Performance:
+    data_on_device: str = option(
+        "auto", "keep the training set on every device and augment there (auto: if it takes at most 1/8 of a "
+                "device's memory)", numbers=False, choices=("auto", "on", "off"))
+    data_workers: Optional[int] = option(
+        None, "host pipeline (data not on the devices): crop in N processes (0 = one background thread; default 0 "
+              "on CPU, else half the cores, at most 8)", numbers=False, at_least=0,
+        hint=" (0 = a background thread)")
+    profile_steps: Optional[Tuple[int, int]] = option(
+        None, "write a jax.profiler trace of steps A..B-1 to OUT/tensorboard (TensorBoard's profile tab)",
+        numbers=False, parse=step_range, metavar="A:B")
+    peak_flops: Optional[float] = option(
+        None, "peak FLOP/s per device, for MFU in the train records (default: known GPUs' bf16 peak with --dtype "
+              "bfloat16, else MFU is n/a)", numbers=False)
+    compile_cache: bool = option(True, "do not use JAX's persistent compilation cache (default: "
+                                       "$JAX_COMPILATION_CACHE_DIR, else $JAXDP_CACHE_DIR or ~/.cache/jaxdp)",
+                                 numbers=False)
+
+
+# --help's groups, in order; torch_ref's trainer shares the first five (SHARED)
+SECTIONS = {"model": Model, "data": Data, "parallelism": Parallelism, "optimisation": Optimisation,
+            "output": Output, "multi-process jobs (jaxdp launch, srun) and fault tolerance": Job,
+            "performance": Performance}
+SHARED = ("model", "data", "parallelism", "optimisation", "output")
+
+
+@dataclass
+class TrainConfig(Performance, Job, Output, Optimisation, Parallelism, Data, Model):
+    """Every option of a training run: the sections above, flat."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     def fingerprint(self) -> dict:
-        """The fields a resumed run must share with the checkpoint it resumes.
-
-        Devices (and processes), output paths and progress display may change across
-        a resume; anything that changes the math may not. The global batch is part of
-        it: it fixes which samples each step takes, whatever the device count.
-        """
-        ignored = {"out", "resume", "overwrite", "progress", "devices", "mesh", "microbatches", "checkpoint_every",
-                   "data_dir",
-                   "download",
-                   "strategy", "mesh_shape", "bucket_cap_mb", "remat", "log_sample_ids", "init_timeout",
-                   "heartbeat_timeout", "keep", "eval_every", "tensorboard", "profile_steps", "peak_flops",
-                   "compile_cache", "data_on_device", "data_workers"}
-        return {k: v for k, v in json.loads(self.to_json()).items() if k not in ignored}
+        """The fields a resumed run must share with the checkpoint it resumes: those
+        declared ``numbers=True``. Devices (and processes), the strategy, output paths and
+        progress display may change across a resume; anything that changes the math may not."""
+        return number_fingerprint(self)
 
     def schedule_options(self, steps_per_epoch: int) -> dict:
         """``make_schedule``'s options. Both trainers step the schedule once per update, so
@@ -99,8 +168,6 @@ def mesh_devices(cfg: TrainConfig) -> Optional[int]:
     unknown axis, or whose sizes do not multiply to ``--devices``, is one line."""
     if cfg.mesh is None:
         return cfg.devices
-    from jaxdp.mesh import MeshError, mesh_sizes  # jax-free at import
-
     try:
         sizes = mesh_sizes(cfg.mesh, cfg.devices)
     except MeshError as e:
@@ -117,20 +184,12 @@ def check_config(cfg: TrainConfig) -> None:
     by the trainers' factories, still before any data is loaded.)"""
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
-    _at_least("--global-batch-size", cfg.global_batch_size, 1)
-    _at_least("--accum-steps", cfg.accum_steps, 1)
-    if cfg.devices is not None:
-        _at_least("--devices", cfg.devices, 1, hint=" (omit it to use every device)")
+    for f in declared(TrainConfig):  # the bounds the fields declare
+        value, minimum = getattr(cfg, f.name), f.metadata["at_least"]
+        if minimum is not None and value is not None and value < minimum:
+            raise TrainError(f"{flag_name(f.name)} must be >= {minimum}{f.metadata['hint']}, got {value}")
     if cfg.mesh is not None:
         mesh_devices(cfg)
-    if cfg.microbatches is not None:
-        _at_least("--microbatches", cfg.microbatches, 1, hint=" (omit it for one per stage)")
-    _at_least("--epochs", cfg.epochs, 1)
-    _at_least("--checkpoint-every", cfg.checkpoint_every, 0, hint=" (0 = once per epoch)")
-    _at_least("--eval-every", cfg.eval_every, 0, hint=" (0 = at the end of each epoch)")
-    _at_least("--keep", cfg.keep, 1)
-    if cfg.max_steps is not None:
-        _at_least("--max-steps", cfg.max_steps, 1, hint=" (omit it to train --epochs)")
     if cfg.profile_steps is not None and not (len(cfg.profile_steps) == 2 and 1 <= cfg.profile_steps[0]
                                               < cfg.profile_steps[1]):
         raise TrainError(f"--profile-steps takes A:B with 1 <= A < B (steps A to B-1 are traced), got "
@@ -140,21 +199,19 @@ def check_config(cfg: TrainConfig) -> None:
     if len(cfg.synthetic_size) != 2 or min(cfg.synthetic_size) < 1:
         raise TrainError(f"--synthetic-size takes two positive counts TRAIN,TEST (e.g. 10000,2000), "
                          f"got {','.join(map(str, cfg.synthetic_size))}")
-    check_choice("--data-on-device", cfg.data_on_device, ("auto", "on", "off"))
-    if cfg.data_workers is not None:
-        _at_least("--data-workers", cfg.data_workers, 0, hint=" (0 = a background thread)")
+    check_choice("--data-on-device", cfg.data_on_device, choices_of("data_on_device"))
     _check_milestones(cfg)
     _check_powersgd_flags(cfg)
 
 
-def check_choice(option: str, value: str, choices) -> None:
-    if value not in choices:
-        raise TrainError(f"unknown {option} {value!r}; choose one of {', '.join(choices)}")
+def check_choice(flag: str, value: str, names) -> None:
+    if value not in names:
+        raise TrainError(f"unknown {flag} {value!r}; choose one of {', '.join(names)}")
 
 
-def _at_least(flag: str, value: int, minimum: int, hint: str = "") -> None:
-    if value < minimum:
-        raise TrainError(f"{flag} must be >= {minimum}{hint}, got {value}")
+def choices_of(name: str) -> Tuple[str, ...]:
+    """The names a field of the tree takes, as its option declares them."""
+    return TrainConfig.__dataclass_fields__[name].metadata["choices"]
 
 
 def _check_milestones(cfg: TrainConfig) -> None:
@@ -193,7 +250,7 @@ def per_device_batch(cfg: TrainConfig, devices: int) -> int:
 
 def epoch_length(num_samples: int, devices: int, per_device: int) -> int:
     """Steps per epoch; a training set smaller than one global batch is an error."""
-    from jaxdp.data.loader import steps_per_epoch
+    from jaxdp.data.loader import steps_per_epoch  # jaxdp.data takes most of a second to import: not for --help
 
     try:
         return steps_per_epoch(num_samples, devices, per_device)

@@ -1,16 +1,29 @@
-"""What every jaxdp command line shares: parser settings and renamed flags.
+"""Command-line flags: generated from a configuration's fields (``add_arguments``), and
+what every jaxdp command line shares.
 
 One vocabulary across train, parity, bench, inspect and launch (``--devices``,
-``--global-batch-size``, ``--accum-steps``, ...). A flag that had another name keeps it
-for one release: the old spelling still works and says what replaced it.
+``--global-batch-size``, ``--accum-steps``, ...): a field declared once
+(``jaxdp.options.option``) is the same flag wherever a command takes it. A flag that had
+another name keeps it for one release: the old spelling still works and says what replaced it.
 """
 
 import argparse
+import dataclasses
 import sys
+import typing
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+from jaxdp.choices import listing
+from jaxdp.options import declared
+from jaxdp.step_config import ModelOptions, StrategyOptions
 
 # No abbreviations (argparse would take --epoch for --epochs, silently), and every
 # option's default in its help.
 PARSER_OPTIONS = dict(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def comma_ints(text: str):
@@ -29,6 +42,60 @@ def comma_floats(text: str):
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def add_arguments(group, cls, names: Optional[Sequence[str]] = None, *, defaults=None, **help_overrides) -> None:
+    """One flag per ``option`` field of ``cls`` (or of ``names``, in that order): its
+    spelling, type, help and default come from the field. ``defaults``: an instance whose
+    values are the defaults (a command that changes some); ``help_overrides``: a command's
+    own wording for a field, by name."""
+    by_name = {f.name: f for f in declared(cls)}
+    for name in names if names is not None else by_name:
+        f = by_name[name]
+        default = getattr(defaults, name) if defaults is not None else f.default
+        add_field(group, f, default, help_overrides.get(name))
+
+
+def add_field(group, f: dataclasses.Field, default: Any, help: Optional[str] = None) -> None:  # noqa: A002
+    meta, flag = f.metadata, flag_name(f.name)
+    text = help if help is not None else meta["help"]
+    if f.type is bool and not meta["argparse"]:  # an on/off switch: --name turns it on, --no-name off
+        if default:
+            group.add_argument(f"--no-{flag[2:]}", dest=f.name, action="store_false", help=text)
+        else:
+            group.add_argument(flag, *meta["flags"], dest=f.name, action="store_true", help=text)
+        return
+    kwargs = dict(dest=f.name, default=default, help=text)
+    parse = meta["parse"] or _parser_for(f)
+    if parse is not str:
+        kwargs["type"] = parse
+    if meta["choices"] is not None:
+        kwargs["metavar"] = listing(meta["choices"])
+    kwargs.update(meta["argparse"])
+    group.add_argument(flag, *meta["flags"], **kwargs)
+
+
+def _parser_for(f: dataclasses.Field) -> Callable:
+    """The flag's type from the field's: int, float, str, or a comma-separated tuple of ints."""
+    hint = f.type
+    if typing.get_origin(hint) is typing.Union:  # Optional[X]: X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        if set(typing.get_args(hint)) - {int, Ellipsis}:
+            raise TypeError(f"{f.name}: give option(parse=...) for a {hint}")
+        return comma_ints
+    if hint in (int, float, str):
+        return hint
+    raise TypeError(f"{f.name}: give option(parse=...) for a {hint}")
+
+
+def step_range(text: str) -> Tuple[int, int]:
+    """``--profile-steps A:B``."""
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (steps A to B-1), got {text!r}") from None
+    return start, stop
+
+
 def deprecated_alias(parser, old: str, new: str, **kwargs) -> None:
     """Accept ``old`` as ``new`` (same ``dest`` and ``type``, given in ``kwargs``), hidden
     from --help, with a one-line notice on stderr when used."""
@@ -44,33 +111,14 @@ def deprecated_alias(parser, old: str, new: str, **kwargs) -> None:
 
 def add_strategy_flags(group, defaults, *, sync_bn_help: str, staleness_help: str) -> None:
     """The strategy options ``jaxdp train`` and ``jaxdp parity`` both take
-    (``jaxdp.step_config.StrategyOptions``), defined once; ``defaults`` holds their defaults."""
-    from jaxdp import choices
-
-    d, g = defaults, group
-    g.add_argument("--accum-steps", type=int, default=d.accum_steps, help="micro-batches per update (torch no_sync)")
-    g.add_argument("--sync-bn", action="store_true", help=sync_bn_help)
-    g.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb,
-                   help="ddp gradient bucket size in MiB (inf: one bucket; default: torch's, a 1 MiB first bucket, then 25)")
-    g.add_argument("--allreduce", default=d.allreduce, metavar=choices.listing(choices.ALLREDUCES),
-                   help="ddp, zero1: psum, or ring (reduce-scatter + all-gather written out)")
-    g.add_argument("--compress", default=d.compress, metavar=choices.listing(choices.COMPRESSIONS),
-                   help="ddp/zero1 gradient compression (default: none)")
-    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank, help="powersgd: rank of P and Q")
-    g.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter,
-                   help="powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)")
-    g.add_argument("--staleness", type=int, default=d.staleness, help=staleness_help)
-    g.add_argument("--mesh-shape", type=comma_ints, default=d.mesh_shape, help="hsdp: replicas,shards")
-    add_remat_flag(g, d.remat)
+    (``jaxdp.step_config.StrategyOptions``), from their fields; ``defaults`` holds their defaults."""
+    names = [f.name for f in declared(StrategyOptions) if f.name != "strategy"]
+    add_arguments(group, StrategyOptions, names, defaults=defaults, sync_bn=sync_bn_help, staleness=staleness_help)
 
 
 def add_remat_flag(group, default="unit") -> None:
     """``--remat``: what a zero3/hsdp FSDP unit keeps for backward (train, parity, bench, inspect)."""
-    from jaxdp import choices
-
-    group.add_argument("--remat", default=default, metavar=choices.listing(choices.REMATS),
-                       help="zero3, hsdp: unit = keep each unit's input and recompute it in backward (least "
-                            "memory); none = keep its activations, gather its params again (FSDP2's default)")
+    add_field(group, StrategyOptions.__dataclass_fields__["remat"], default)
 
 
 MESH_HELP = ("named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product is the "
@@ -83,11 +131,11 @@ def add_mesh_flag(group, default=None, *, what: str = "") -> None:
     group.add_argument("--mesh", default=default, help=MESH_HELP + (f": {what}" if what else ""))
 
 
-VIT_SIZES = ("depth", "dim", "heads", "mlp_dim", "patch")
+VIT_SIZES = ModelOptions.VIT_OPTIONS
 
 
 def add_vit_flags(group) -> None:
     """``--depth --dim --heads --mlp-dim --patch``: a ViT's sizes (None keeps the named model's)."""
     for size in VIT_SIZES:
-        group.add_argument(f"--{size.replace('_', '-')}", type=int, default=None,
+        group.add_argument(flag_name(size), type=int, default=None,
                            help=f"ViT: {size} (default: the named model's)")

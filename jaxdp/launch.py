@@ -47,11 +47,12 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from jaxdp.startup import with_device_count
+
 POLL_S = 0.05
 COLLATERAL_S = 0.2  # a peer's abort after a real failure lands within this (see _cause)
 SIGNAL_GRACE_S = 30.0  # after Ctrl-C, time for the processes to finish a checkpoint and exit
 PREEMPTED_EXIT = 128 + signal.SIGTERM  # jaxdp train after a preemption (SIGTERM) checkpointed its step
-_FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 
 class LaunchError(ValueError):
@@ -109,8 +110,7 @@ def child_env(base: Dict[str, str], coordinator: str, total: int, process_id: in
         "PYTHONUNBUFFERED": "1",  # a killed process's last lines still reach the terminal
     })
     if devices_per_proc:
-        flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_FORCE_FLAG))
-        env["XLA_FLAGS"] = f"{flags} {_FORCE_FLAG}={devices_per_proc}".strip()
+        env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices_per_proc)
         first = local_rank * devices_per_proc
         env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(first + i) for i in range(devices_per_proc))
     return env

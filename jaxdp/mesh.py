@@ -6,10 +6,11 @@ Simulating N devices on a CPU-only machine: set
 separate XLA CPU device, so collectives and shardings behave as on real hardware.
 """
 
-import os
 from typing import List, Optional, Sequence
 
 import numpy as np
+
+from jaxdp.startup import FORCE_FLAG, simulate_cpu_devices  # noqa: F401 (scripts call it from here too)
 
 DATA_AXIS = "data"
 REPLICA_AXIS = "replica"
@@ -20,18 +21,10 @@ MODEL_AXIS = "model"  # tensor parallelism (jaxdp.parallel.tensor)
 # on the fast links); data parallelism, which communicates once per step, spans the hosts.
 AXES = (REPLICA_AXIS, DATA_AXIS, STAGE_AXIS, MODEL_AXIS)
 
-_FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 
 class MeshError(ValueError):
     """The mesh the user asked for cannot be built on the devices available."""
-
-
-def simulate_cpu_devices(n: int) -> None:
-    """Ask XLA for ``n`` host (CPU) devices. Only effective before jax is imported."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _FORCE_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_FORCE_FLAG}={n}".strip()
 
 
 def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] = None,
@@ -61,7 +54,7 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
     devices = host_ordered(jax.devices())
     n = num_devices or (int(np.prod(shape)) if shape else len(devices))
     if n > len(devices):
-        hint = (f" On CPU, simulate devices with XLA_FLAGS={_FORCE_FLAG}={n} set before jax is"
+        hint = (f" On CPU, simulate devices with XLA_FLAGS={FORCE_FLAG}={n} set before jax is"
                 " imported (jaxdp train --devices does this).") if devices[0].platform == "cpu" else ""
         raise MeshError(f"asked for {n} devices but only {len(devices)} are available.{hint}")
     if jax.process_count() > 1 and n != len(devices):

@@ -20,16 +20,17 @@ import hashlib
 import sys
 import warnings
 
+import jax
 import numpy as np
 
+from jaxdp.checkpoint import CheckpointError
 from jaxdp.config import TrainConfig, TrainError, end_position
+from jaxdp.data.sampler import epoch_permutation
 from jaxdp.rundir import NOTHING_TO_RESUME, check_fingerprint, resuming_message
 
 
 def data_position(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int) -> dict:
     """Where the sampler stands: enough to continue on any device count (module docstring)."""
-    import jax
-
     n = len(setup.train_set)
     return {"epoch": epoch, "step_in_epoch": step_in_epoch,
             "samples_consumed": step_in_epoch * cfg.global_batch_size,
@@ -41,19 +42,15 @@ def data_position(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int) -> di
 
 def permutation_digest(n: int, seed: int, epoch: int) -> str:
     """Short sha256 of an epoch's sample order: a resumed run must see the same one."""
-    from jaxdp.data.sampler import epoch_permutation
-
     perm = np.ascontiguousarray(epoch_permutation(n, seed, epoch), dtype=np.int64)
     return hashlib.sha256(perm.tobytes()).hexdigest()[:16]
 
 
 def start_state(cfg: TrainConfig, setup, ckpt, example, is_main: bool):
     """(state, (epoch, steps of it done), global step) to train from."""
-    import jax
-
     strategy = setup.strategy
     if not cfg.resume:
-        return strategy.init(jax.random.key(cfg.seed), example), (0, 0), 0  # each device builds its shards
+        return setup.trainer.init(jax.random.key(cfg.seed), example), (0, 0), 0  # each device builds its shards
     if ckpt.latest_step() is None:  # checkpoint folders, but none that orbax lists as complete
         raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out))
     # Into shapes and shardings only: a ZeRO-3 restore builds no full (or even fresh) state.
@@ -76,8 +73,6 @@ def _length(cfg: TrainConfig) -> str:
 
 def _resume_position(cfg: TrainConfig, setup, meta: dict, is_main: bool):
     """((epoch, step in epoch), global step) to continue from, on this run's device count."""
-    from jaxdp.checkpoint import CheckpointError
-
     steps_per_epoch = setup.steps_per_epoch
     epoch, step = meta["epoch"], meta["step_in_epoch"]
     global_step = meta.get("global_step", epoch * steps_per_epoch + step)

@@ -18,29 +18,43 @@ before anything else).
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from jaxdp import registry
+from jaxdp import choices, registry
+from jaxdp.options import declared, option
 
 
 @dataclass
 class StrategyOptions:
-    strategy: str = "ddp"
-    accum_steps: int = 1  # micro-batches per update (torch: no_sync on all but the last)
-    sync_bn: bool = False
-    # Each strategy takes those of these its constructor names (jaxdp.strategies.options_of,
-    # torch_ref.strategies.STRATEGY_OPTIONS); the others must stay at their defaults.
-    bucket_cap_mb: Optional[float] = registry.BUCKET_CAP_MB  # ddp: gradient bucket size (None: torch's)
-    allreduce: str = "psum"  # ddp: "psum" | "ring" (reduce-scatter + all-gather by ppermute)
-    compress: Optional[str] = None  # ddp, zero1: None | "bf16" | "fp16" | "powersgd"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 1000  # plain all-reduce for the first steps (torch's start_powerSGD_iter)
-    staleness: int = 0  # async parameter server: max updates a worker's weights may lag
-    mesh_shape: Optional[Tuple[int, int]] = None  # hsdp: (replicas, shards)
-    remat: str = "unit"  # zero3, hsdp: what an FSDP unit keeps for backward ("unit": its input; "none": activations)
+    """The strategy and its options: a section of ``jaxdp train``'s tree (``jaxdp.config``),
+    of parity's and of torch_ref's step. Each strategy takes those of the options below its
+    constructor names (``jaxdp.strategies.options_of``, ``torch_ref.strategies.STRATEGY_OPTIONS``);
+    the others must stay at their defaults."""
 
-    # (class attributes, not fields: no annotation, so __dataclass_fields__ lists only options)
-    STRATEGY_OPTIONS = (
-        "bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "powersgd_start_iter", "staleness", "mesh_shape",
-        "remat")
+    strategy: str = option("ddp", "data-parallel strategy", numbers=False, choices=choices.STRATEGIES)
+    accum_steps: int = option(1, "micro-batches per update (torch no_sync)", numbers=True, at_least=1)
+    sync_bn: bool = option(False, "global BatchNorm statistics (SyncBatchNorm)", numbers=True)
+    bucket_cap_mb: Optional[float] = option(
+        registry.BUCKET_CAP_MB, "ddp gradient bucket size in MiB (inf: one bucket; default: torch's, a 1 MiB first "
+        "bucket, then 25)", numbers=False, strategy_option=True)
+    allreduce: str = option("psum", "ddp, zero1: psum, or ring (reduce-scatter + all-gather written out)",
+                            numbers=True, choices=choices.ALLREDUCES, strategy_option=True)
+    compress: Optional[str] = option(None, "ddp/zero1 gradient compression (default: none)", numbers=True,
+                                     choices=choices.COMPRESSIONS, strategy_option=True)
+    powersgd_rank: int = option(1, "powersgd: rank of P and Q", numbers=True, strategy_option=True)
+    powersgd_start_iter: int = option(
+        1000, "powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)", numbers=True,
+        strategy_option=True)
+    staleness: int = option(0, "async: max staleness k of worker weights", numbers=True, strategy_option=True)
+    mesh_shape: Optional[Tuple[int, int]] = option(None, "hsdp: replicas,shards", numbers=False,
+                                                   strategy_option=True)
+    remat: str = option("unit", "zero3, hsdp: unit = keep each unit's input and recompute it in backward (least "
+                                "memory); none = keep its activations, gather its params again (FSDP2's default)",
+                        numbers=False, choices=choices.REMATS, strategy_option=True)
+
+    # (a class attribute, not a field: the options a strategy may take, beside strategy, accum_steps, sync_bn)
+    STRATEGY_OPTIONS = ()
+
+
+StrategyOptions.STRATEGY_OPTIONS = tuple(f.name for f in declared(StrategyOptions) if f.metadata["strategy_option"])
 
 
 @dataclass

@@ -18,13 +18,24 @@ import sys
 import time
 from typing import Callable, Optional
 
+import jax
 import numpy as np
 
+from jaxdp.checkpoint import Checkpointer
 from jaxdp.config import TrainConfig, check_config, end_position
+from jaxdp.data.loader import eval_batches
+from jaxdp.distributed import barrier, distributed_env, preemption_sync_point
 from jaxdp.feed import flat_rows as _flat
+from jaxdp.feed import make_feed
+from jaxdp.flops import train_flops_per_image
 from jaxdp.interrupts import DeferredInterrupt
+from jaxdp.mesh import process_ranks
+from jaxdp.perf import ProfileWindow, StepCost, Utilisation, peak_flops
 from jaxdp.progress import Throughput, progress_bar, say
-from jaxdp.rundir import latest_orbax_step, refuse_earlier_run
+from jaxdp.resume import data_position, start_state
+from jaxdp.rundir import (TENSORBOARD_DIR, MetricsLog, SampleLog, latest_orbax_step, refuse_earlier_run,
+                          remove_run_files, write_config)
+from jaxdp.train_setup import build, example_batch, startup_header
 
 
 def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
@@ -35,9 +46,6 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     Ctrl-C or SIGTERM (from the very start: see ``jaxdp.interrupts``) finish the step in
     flight, write its records, checkpoint it and raise ``KeyboardInterrupt`` (``Preempted``
     for SIGTERM) carrying ``checkpointed_step``."""
-    from jaxdp.distributed import distributed_env
-    from jaxdp.train_setup import build
-
     check_config(cfg)
     overwrite = refuse_earlier_run(cfg, latest_orbax_step(cfg.out))
     t_start = time.perf_counter()
@@ -71,7 +79,7 @@ def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callab
         throughput.restart()  # the first interval holds the compile, or the last evaluation
         for step_in_epoch, (batch, ids) in enumerate(batches, start=first):
             records.before_step(batch)
-            run.state, metrics = strategy.step(run.state, batch)
+            run.state, metrics = run.trainer.step(run.state, batch)
             # Bookkeeping at once, so that from here on the state in hand and its step number
             # agree wherever an exception lands (the loop spends its time in records.write).
             run.step_done(epoch, step_in_epoch + 1)
@@ -114,18 +122,8 @@ class _Run:
     """The state in hand, its step and data position, and the run directory it writes to."""
 
     def __init__(self, cfg: TrainConfig, setup, overwrite: bool, interrupt):
-        import jax
-
-        from jaxdp.checkpoint import Checkpointer
-        from jaxdp.distributed import barrier
-        from jaxdp.feed import make_feed
-        from jaxdp.mesh import process_ranks
-        from jaxdp.perf import ProfileWindow
-        from jaxdp.resume import start_state
-        from jaxdp.rundir import TENSORBOARD_DIR, MetricsLog, SampleLog, remove_run_files, write_config
-        from jaxdp.train_setup import example_batch, startup_header
-
-        self.cfg, self.setup, self.strategy, self.interrupt = cfg, setup, setup.strategy, interrupt
+        self.cfg, self.setup, self.interrupt = cfg, setup, interrupt
+        self.trainer, self.strategy = setup.trainer, setup.strategy
         self.is_main = jax.process_index() == 0
         self.job = jax.process_count() > 1
         self.ranks = process_ranks(self.strategy.mesh, self.strategy.batch_axes)  # this process's rows
@@ -164,8 +162,6 @@ class _Run:
         self.position = (epoch, steps_done)
 
     def save(self) -> None:
-        from jaxdp.resume import data_position
-
         meta = {"epoch": self.position[0], "step_in_epoch": self.position[1], "global_step": self.global_step,
                 "fingerprint": self.cfg.fingerprint(), "data": data_position(self.cfg, self.setup, *self.position),
                 "rng": {"init_seed": self.cfg.seed, "augment": "stateless: keyed by (seed, epoch, sample id)"}}
@@ -173,10 +169,8 @@ class _Run:
         self.saved = (self.global_step, self.position)
 
     def evaluate(self, epoch: int) -> None:
-        from jaxdp.distributed import barrier
-
         barrier("evaluate")
-        result = evaluate(self.strategy, self.state, self.setup.test_set, self.setup.per_device, self.ranks)
+        result = evaluate(self.trainer, self.state, self.setup.test_set, self.setup.per_device, self.ranks)
         self.log.eval(self.global_step, epoch, result)
         if self.is_main:
             say(f"step {self.global_step} (epoch {epoch + 1}): eval loss {result['loss']:.4f} "
@@ -185,8 +179,6 @@ class _Run:
 
     def should_stop(self) -> bool:
         """Ctrl-C or SIGTERM here; in a job, whether every process stops at this step."""
-        from jaxdp.distributed import preemption_sync_point
-
         if self.job and preemption_sync_point(self.global_step):
             self.interrupt.preempted_now()
         return self.interrupt.requested
@@ -220,15 +212,13 @@ class _Run:
         self.ckpt.close()
 
 
-def evaluate(strategy, state, test_set, per_device: int, ranks=None) -> dict:
+def evaluate(trainer, state, test_set, per_device: int, ranks=None) -> dict:
     """Loss and accuracy over the whole test set; ``ranks``: the rows this process feeds."""
-    from jaxdp.data.loader import eval_batches
-
     totals = np.zeros(3)
-    for batch in eval_batches(test_set, num_replicas=strategy.num_devices, batch_per_replica=per_device,
+    for batch in eval_batches(test_set, num_replicas=trainer.strategy.num_devices, batch_per_replica=per_device,
                               ranks=ranks):
-        out = strategy.evaluate(state, strategy.shard_batch(
-            {"image": _flat(batch.images), "label": _flat(batch.labels), "mask": _flat(batch.mask)}))
+        out = trainer.evaluate(state, {"image": _flat(batch.images), "label": _flat(batch.labels),
+                                       "mask": _flat(batch.mask)})
         totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"])]
     return {"loss": totals[0] / totals[2], "accuracy": totals[1] / totals[2], "count": int(totals[2])}
 
@@ -272,11 +262,6 @@ class _PendingRecords:
 def _utilisation(run: _Run, batch):
     """Compile the first step ahead of time (``jit`` reuses the program) for its memory; the
     model's FLOPs per image (``jaxdp.flops``) for MFU, counted only where there is a peak."""
-    import jax
-
-    from jaxdp.distributed import barrier
-    from jaxdp.perf import StepCost, Utilisation, peak_flops
-
     compiled = run.strategy.lower_step(run.state, batch).compile()
     barrier("step compiled")  # see distributed.barrier: the first step's collectives find everyone
     device = next(d for d in run.strategy.mesh.devices.flat if d.process_index == jax.process_index())
@@ -289,9 +274,6 @@ def _flops_per_image(strategy):
     """The strategy's model's training FLOPs on one example (the image shape every dataset
     has, whatever form the step's batch takes); None (MFU n/a) for a model the count cannot
     trace."""
-    from jaxdp.flops import train_flops_per_image
-    from jaxdp.train_setup import example_batch
-
     try:
         one = example_batch(strategy.model)
         return train_flops_per_image(strategy.init_model, *strategy.task.model_inputs(one),

@@ -7,21 +7,33 @@ alone takes seconds), all of it before anything is written.
 
 import functools
 import math
-import os
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
+from jaxdp import __version__
 from jaxdp.config import (TrainConfig, TrainError, batchnorm_batch_error, check_choice, epoch_length, per_device_batch,
                           total_steps)
+from jaxdp.data import load_dataset
+from jaxdp.distributed import join_job
+from jaxdp.flags import flag_name
+from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS, STAGE_AXIS, MeshError, axis_size, make_mesh, parse_mesh
+from jaxdp.models import ModelError, create_model, fsdp_units
+from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
+from jaxdp.perf import enable_compile_cache
+from jaxdp.startup import preset_device_count
+from jaxdp.strategies import REGISTRY, STRATEGIES, StrategyError, options_of
+from jaxdp.trainer import StrategySpec, Trainer, classifier
 
 IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10, the synthetic set and digits (padded)
 
 
 @dataclass
 class Setup:
-    strategy: Any
+    trainer: Any  # the public API's jaxdp.Trainer: the run drives it as any user would
     schedule: Any
     train_set: Any
     test_set: Any
@@ -29,19 +41,13 @@ class Setup:
     steps_per_epoch: int
     total_steps: int  # updates in the whole run (--max-steps, else --epochs whole epochs)
 
+    @property
+    def strategy(self):
+        """The trainer's strategy: the layout the run checkpoints and the data feed splits batches by."""
+        return self.trainer.strategy
+
 
 def build(cfg: TrainConfig) -> Setup:
-    import jax
-
-    from jaxdp.data import load_dataset
-    from jaxdp.distributed import join_job
-    from jaxdp.models import create_model, fsdp_units
-    from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
-    from jaxdp.perf import enable_compile_cache
-    from jaxdp.strategies import STRATEGIES, create_strategy
-    from jaxdp.strategies import options_of as options_of_strategy
-    from jaxdp.task import classifier
-
     join_job(cfg.init_timeout, cfg.heartbeat_timeout)  # before anything asks jax for its devices
     enable_compile_cache(cfg.compile_cache)
     if cfg.dtype == "float64":
@@ -62,24 +68,21 @@ def build(cfg: TrainConfig) -> Setup:
     schedule = make_schedule(cfg.schedule, cfg.lr, total, **cfg.schedule_options(steps))
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
-    if "units" in options_of_strategy(cfg.strategy) and not pipeline:  # a stage's vector is its one unit
+    if "units" in options_of(cfg.strategy) and not pipeline:  # a stage's vector is its one unit
         options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
-    strategy = create_strategy(cfg.strategy, model, classifier(model), tx, mesh, accum_steps=cfg.accum_steps,
-                               sync_bn=cfg.sync_bn, seed=cfg.seed, log_grad_norm=True, **options, **pipeline)
-    return Setup(strategy, schedule, train_set, test_set, per_device, steps, total)
+    spec = StrategySpec(cfg.strategy, dict(accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, seed=cfg.seed,
+                                           log_grad_norm=True, **options, **pipeline))
+    trainer = Trainer(model, classifier(model), tx, spec, mesh)
+    return Setup(trainer, schedule, train_set, test_set, per_device, steps, total)
 
 
 def data_parallel_size(mesh) -> int:
     """How many ways each batch is split: the data (and replica) axes, not model or stage."""
-    from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS, axis_size
-
     return axis_size(mesh, DATA_AXIS) * axis_size(mesh, REPLICA_AXIS)
 
 
 def _pipeline_options(cfg: TrainConfig, mesh, per_device: int) -> dict:
     """``microbatches`` for a mesh with a stage axis; each accumulation step's batch must split into them."""
-    from jaxdp.mesh import STAGE_AXIS, axis_size
-
     stages = axis_size(mesh, STAGE_AXIS)
     if stages == 1:
         if cfg.microbatches is not None:
@@ -97,20 +100,15 @@ def _pipeline_options(cfg: TrainConfig, mesh, per_device: int) -> dict:
 def _make_mesh(devices: Optional[int], named: Optional[str] = None):
     """``make_mesh``, saying so when ``--devices N`` could not simulate N CPU devices
     because XLA_FLAGS already fixed their count."""
-    import jax
-
-    from jaxdp.mesh import MeshError, make_mesh, parse_mesh
-
     if named is not None:
         sizes = parse_mesh(named)
         devices = math.prod(sizes.values())
 
     available = jax.devices()
-    preset = [f for f in os.environ.get("XLA_FLAGS", "").split()
-              if f.startswith("--xla_force_host_platform_device_count=")]
+    preset = preset_device_count()
     if devices and devices > len(available) and preset and available[0].platform == "cpu":
         raise MeshError(f"asked for {devices} devices but only {len(available)} are available: XLA_FLAGS "
-                        f"sets {preset[-1]}, which --devices does not override; change or unset it")
+                        f"sets {preset}, which --devices does not override; change or unset it")
     return make_mesh(**sizes) if named is not None else make_mesh(devices)
 
 
@@ -119,10 +117,6 @@ def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:
     micro-batch x height x width values: only a micro-batch of one image can fall short
     (with the imagenet stem, the last stage is 1x1 on 32x32 images). Trace the model
     (shapes only, no compile) so that this is refused now, not at the first step."""
-    import jax
-
-    from jaxdp.models import ModelError
-
     micro_batch = cfg.global_batch_size // (devices * cfg.accum_steps)
     if micro_batch > 1 or (cfg.sync_bn and devices > 1):  # SyncBN counts every device's images
         return
@@ -135,8 +129,6 @@ def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:
 
 def strategy_options(cfg: TrainConfig) -> dict:
     """The options ``cfg.strategy`` takes; a changed option it does not take is an error."""
-    from jaxdp.strategies import REGISTRY, StrategyError, options_of
-
     if cfg.strategy not in REGISTRY:
         return {}  # create_strategy names the valid choices
     accepted = options_of(cfg.strategy)
@@ -149,8 +141,7 @@ def strategy_options(cfg: TrainConfig) -> dict:
         elif name in accepted:
             options[name] = value
         elif value != getattr(defaults, name):
-            flag = "--" + name.replace("_", "-")
-            raise StrategyError(f"{flag} does not apply to strategy {cfg.strategy!r}")
+            raise StrategyError(f"{flag_name(name)} does not apply to strategy {cfg.strategy!r}")
     return options
 
 
@@ -162,12 +153,6 @@ def example_batch(model, image_shape=IMAGE_SHAPE) -> dict:
 def startup_header(cfg: TrainConfig, strategy, state, per_device: int) -> str:
     """Versions, devices, mesh, batch, parameter count and the model state each device
     holds (measured: the bytes of device 0's shards of the state just built)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import jax
-
-    from jaxdp import __version__
-
     def installed(name):
         try:
             return version(name)

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import jax
+from jax.sharding import NamedSharding
 
-from jaxdp import model_task, task as tasks
+from jaxdp import model_task, saving, task as tasks, validate
+from jaxdp.mesh import make_mesh
 from jaxdp.strategies import create_strategy
 
 
@@ -55,8 +57,6 @@ def AsyncPS(staleness: int = 0, **options) -> StrategySpec:  # noqa: N802
 class Trainer:
     def __init__(self, model, loss_fn, tx, strategy: Any = "ddp", mesh=None, *, eval_fn: Optional[Callable] = None,
                  model_inputs: Optional[Callable] = None, init_kwargs: Optional[dict] = None):
-        from jaxdp.mesh import make_mesh
-
         if isinstance(loss_fn, tasks.Classifier):
             task = loss_fn
         elif callable(loss_fn):
@@ -92,15 +92,11 @@ class Trainer:
     def save(self, path: str, state) -> int:
         """Write ``state`` to the checkpoint directory ``path`` (orbax, the layout ``jaxdp train``
         writes), as step ``state.step``; each device writes its own part. Returns the step."""
-        from jaxdp import saving
-
         return saving.save(self.strategy, path, state)
 
     def restore(self, path: str, example_batch, step: Optional[int] = None):
         """The newest checkpoint in ``path`` (or ``step``), saved under any strategy, mesh or
         device count, as this Trainer's state; restores ``init``'s rng stream too."""
-        from jaxdp import saving
-
         self._check(example_batch)
         return saving.restore(self.strategy, path, example_batch, step)
 
@@ -110,17 +106,11 @@ class Trainer:
 
     def _check(self, example_batch):
         """One-line errors for a bad batch or loss_fn, before anything compiles (``jaxdp.validate``)."""
-        from jaxdp import validate
-
         validate.batch_rows(example_batch)
         if self._check_loss and self.strategy.pp is None:
             validate.loss_fn(self.strategy, example_batch, self._default_inputs)
 
     def _placed(self, batch, accum_steps: int = 1):
-        from jax.sharding import NamedSharding
-
-        from jaxdp import validate
-
         leaves = jax.tree_util.tree_leaves(batch)
         if leaves and all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh
                           for x in leaves):
