@@ -20,7 +20,8 @@ momentum, 8 for Adam). Traffic: all-reduce Ψ = 2Ψ·(N-1)/N per device.
 import jax
 import optax
 
-from jaxdp.strategies.base import Strategy, ddp_buffers, local_grads, refuse_with_tensor_parallel, train_metrics
+from jaxdp.strategies.base import Strategy, refuse_with_tensor_parallel
+from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
 

@@ -82,6 +82,11 @@ def shapes_of(tree):
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
+def zeros(shapes):
+    """Arrays of ``shapes`` for tracing ``model.init``: only their shapes matter, and zeros cost nothing under jit."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
 # ----------------------------------------------------------------------------- inside shard_map
 
 def my_chunk(x, axis, n: int):

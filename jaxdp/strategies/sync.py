@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import collectives, compression
 from jaxdp.strategies import buckets
-from jaxdp.strategies.base import StrategyError
+from jaxdp.strategies.errors import StrategyError
 
 
 class SyncError(StrategyError):

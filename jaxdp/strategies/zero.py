@@ -48,8 +48,9 @@ from jax.sharding import Mesh
 
 from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
-from jaxdp.strategies.base import (Strategy, StrategyError, ddp_buffers, local_grads, refuse_with_tensor_parallel,
-                                   train_metrics)
+from jaxdp.strategies.base import Strategy, refuse_with_tensor_parallel
+from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync import AllReduce
@@ -135,10 +136,10 @@ class ZeRO(Strategy):
     def extra_specs(self, extra):
         return self.sync.specs(self.axis) if self.sync.stateful else super().extra_specs(extra)
 
-    def _learn_units(self, init, batch):
+    def learn_units(self, init, batch):
         self.unit_paths = []
         if not self.units:
-            return super()._learn_units(init, batch)
+            return super().learn_units(init, batch)
         shapes = []
         self.unit_paths = unit_paths(self.units, init, batch, with_shapes=shapes)  # traces init once: the order too
         return shapes[0]
@@ -249,12 +250,12 @@ class ZeRO(Strategy):
         ids = [index[p] for p in reduction_order(local, self.param_order)]
         sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in ids]
         groups = [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, self.sync.limits)]
-        if self.tp is None:
+        if self.model_split is None:
             return groups
         # A bucket moves as one concatenated array, and an array that mixes model slices with
         # replicated tensors is typed as varying over the model axis as a whole: so the split
         # and the replicated members of each bucket travel in separate collectives.
-        split = [self.tp.dim("/".join(map(str, ("params",) + paths[i])), leaves[i].shape) is not None
+        split = [self.model_split.dim("/".join(map(str, ("params",) + paths[i])), leaves[i].shape) is not None
                  for i in range(len(leaves))]
         return [part for g in groups for part in ([i for i in g if split[i]], [i for i in g if not split[i]]) if part]
 
