@@ -25,15 +25,16 @@ from jaxdp.parallel import pipeline, protocol, staged, tensor
 from jaxdp.state import TrainState
 from jaxdp.strategies import conversions, layout
 from jaxdp.strategies.buckets import insertion_order_paths
-from jaxdp.strategies.device_math import (as_tuple, broadcast_from, ddp_buffers, device_index,  # noqa: F401
-                                          local_grads, per_device, sum_of_squares, train_metrics)
+from jaxdp.strategies.device_math import as_tuple, device_index
+from jaxdp.strategies.device_math import (broadcast_from, ddp_buffers, local_grads, per_device,  # noqa: F401
+                                          train_metrics)  # re-exported: parity_tests.bugs patches them here
 from jaxdp.strategies.engine import ShardMapEngine
 from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.placement import Placement
 from jaxdp.strategies.step_reductions import StepReductions
 
-_abstract, _zeros = layout.shapes_of, layout.zeros  # the names validate.py and older callers import
+_abstract, _zeros = layout.shapes_of, layout.zeros  # the names jaxdp.validate imports
 
 
 class Strategy(StepReductions):
@@ -288,18 +289,6 @@ class Strategy(StepReductions):
         root = jax.random.key(self.seed) if self.rng_root is None else self.rng_root
         key = jax.random.fold_in(root, step)
         return jax.random.fold_in(key, device_index(self.batch_axes))
-
-
-def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
-    """Options whose collectives cannot run beside a model axis."""
-    if strategy.model_split is None:
-        return
-    if allreduce == "ring":
-        # The ring is traced with check_vma=False, and without the varying/invariant types JAX
-        # would not insert tensor parallelism's backward all-reduces.
-        raise StrategyError("allreduce='ring' does not combine with a model axis (tensor parallelism); use psum")
-    if compress == "powersgd":
-        raise StrategyError("compress='powersgd' does not combine with a model axis (tensor parallelism) yet")
 
 
 def _check_model_parallel_axes(strategy, mesh) -> None:

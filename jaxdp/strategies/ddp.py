@@ -20,10 +20,10 @@ momentum, 8 for Adam). Traffic: all-reduce Ψ = 2Ψ·(N-1)/N per device.
 import jax
 import optax
 
-from jaxdp.strategies.base import Strategy, refuse_with_tensor_parallel
+from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.factsheet import Facts
-from jaxdp.strategies.sync import AllReduce
+from jaxdp.strategies.sync import AllReduce, refuse_with_tensor_parallel
 
 FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)", torch_twin="ddp",
               traffic=lambda s: s.allreduce, traffic_text="{allreduce}")  # nothing is sharded: one all-reduce

@@ -79,5 +79,17 @@ class AllReduce:
         return self.powersgd.reduce(grads, state, step, axis, self.sum_fn, vanilla)
 
 
+def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
+    """Refuse the sync options whose collectives cannot run beside a model axis."""
+    if strategy.model_split is None:
+        return
+    if allreduce == "ring":
+        # The ring is traced with check_vma=False, and without the varying/invariant types JAX
+        # would not insert tensor parallelism's backward all-reduces.
+        raise StrategyError("allreduce='ring' does not combine with a model axis (tensor parallelism); use psum")
+    if compress == "powersgd":
+        raise StrategyError("compress='powersgd' does not combine with a model axis (tensor parallelism) yet")
+
+
 def replicated_specs(tree):
     return jax.tree_util.tree_map(lambda _: P(), tree)

@@ -48,12 +48,12 @@ from jax.sharding import Mesh
 
 from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
-from jaxdp.strategies.base import Strategy, refuse_with_tensor_parallel
+from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
 from jaxdp.strategies.factsheet import Facts
-from jaxdp.strategies.sync import AllReduce
+from jaxdp.strategies.sync import AllReduce, refuse_with_tensor_parallel
 from jaxdp.strategies.units import REMATS, Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 # Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
