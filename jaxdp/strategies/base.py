@@ -84,8 +84,7 @@ class Strategy(StepReductions):
 
     @property
     def tp(self):
-        """How the params are cut over the model axis: tensor parallelism's plan, or on pipeline
-        stages the stage split of the stacked params (``pipeline.Pipeline.split``); None without either."""
+        """``model_split`` under its short name (analysis and tests read it)."""
         return self.model_split
 
     @property
@@ -127,7 +126,8 @@ class Strategy(StepReductions):
             raise StrategyError(str(e)) from None
         if microbatches is not None and self.pp is None:
             raise StrategyError("microbatches are pipeline micro-batches: they need a mesh with a stage axis")
-        # Pipeline stages place their stacked params as a tensor split along the stage dim.
+        # How the params are cut beside the data axis: tensor parallelism's plan over the model axis,
+        # or on pipeline stages the stacked params split along their stage dim; None without either.
         self.model_split = self.pp.split if self.pp is not None else tensor_parallel
         self.placement = Placement(self.model_split, self.shards, axis)
         self.init_model = _with_bn_axis(model, None)  # model.init runs outside shard_map: no axes
@@ -201,21 +201,12 @@ class Strategy(StepReductions):
         """The checkpoint layout -> this strategy's state (at this strategy's device count)."""
         return self.engine.from_stored(stored)
 
-    def stored_target(self, state: TrainState):
-        return conversions.stored_target(self, state)
-
-    def stored_specs(self, stored: TrainState):
-        return conversions.stored_specs(self, stored)
-
-    def stored_shardings(self, stored):
-        return conversions.stored_shardings(self, stored)
-
-    def abstract_state(self, example_batch) -> TrainState:
-        return conversions.abstract_state(self, example_batch)
-
-    def canonical_grads(self, grads):
-        return conversions.canonical_grads(self, grads)
-
+    # The same for every engine (conversions.py): each takes the strategy as its first argument.
+    stored_target = conversions.stored_target
+    stored_specs = conversions.stored_specs
+    stored_shardings = conversions.stored_shardings
+    abstract_state = conversions.abstract_state
+    canonical_grads = conversions.canonical_grads
     _padder = conversions.padder  # the canonical -> this strategy's conversion itself (tests compile it)
 
     @property
