@@ -40,7 +40,7 @@ class DDP(Strategy):
                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
         # A ring sum comes out of ppermutes, which JAX types as "varying" although every
         # device holds the same value, and there is no cast back to replicated: so the
-        # ring step is traced with check_vma=False (gradients stay local: see base.py).
+        # ring step is traced with check_vma=False (gradients stay local: see base.py, the check_vma trap).
         self.check_vma = allreduce != "ring"
 
     def init_extra(self, params):
