@@ -214,7 +214,7 @@ print("done", float(metrics["loss"]))
 
 def test_200_steps_dispatched_back_to_back_never_hang():
     """The stages' ppermutes and the data all-reduce on a 2 x 2 mesh: the XLA:CPU rendezvous
-    trap ``Strategy._one_at_a_time`` guards against (test_tensor_parallel.py has the model axis's)."""
+    trap ``ShardMapEngine._one_at_a_time`` guards against (test_tensor_parallel.py has the model axis's)."""
     import os
     import subprocess
     import sys

@@ -219,7 +219,7 @@ print("done", float(metrics["loss"]))
 @pytest.mark.parametrize("name", ["ddp", "zero3"])
 def test_200_steps_dispatched_back_to_back_never_hang(name):
     """XLA:CPU deadlocked 3 of 3 such runs before the strategies waited for each program
-    (``Strategy._one_at_a_time``); a deadlock aborts after 40 s, the timeout catches worse."""
+    (``ShardMapEngine._one_at_a_time``); a deadlock aborts after 40 s, the timeout catches worse."""
     import os
     import subprocess
     import sys

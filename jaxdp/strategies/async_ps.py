@@ -55,7 +55,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxdp.strategies import ddp
-from jaxdp.strategies.base import Strategy, StrategyError, ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.base import Strategy
+from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.sync import AllReduce
 
 # DDP's facts (the history, k params copies, is replicated ``extra``), but a twin only for k = 0.

@@ -20,9 +20,10 @@ momentum, 8 for Adam). Traffic: all-reduce Ψ = 2Ψ·(N-1)/N per device.
 import jax
 import optax
 
-from jaxdp.strategies.base import Strategy, ddp_buffers, local_grads, refuse_with_tensor_parallel, train_metrics
+from jaxdp.strategies.base import Strategy
+from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.factsheet import Facts
-from jaxdp.strategies.sync import AllReduce
+from jaxdp.strategies.sync import AllReduce, refuse_with_tensor_parallel
 
 FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)",
               traffic=lambda s: s.allreduce, traffic_text="{allreduce}")  # nothing is sharded: one all-reduce
@@ -39,7 +40,7 @@ class DDP(Strategy):
                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
         # A ring sum comes out of ppermutes, which JAX types as "varying" although every
         # device holds the same value, and there is no cast back to replicated: so the
-        # ring step is traced with check_vma=False (gradients stay local: see base.py).
+        # ring step is traced with check_vma=False (gradients stay local: see base.py, the check_vma trap).
         self.check_vma = allreduce != "ring"
 
     def init_extra(self, params):

@@ -46,14 +46,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp.strategies import layout
-from jaxdp.strategies.base import _zeros, Strategy, StrategyError, local_grads, train_metrics
+from jaxdp.strategies.base import Strategy
+from jaxdp.strategies.device_math import local_grads, train_metrics
+from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.factsheet import Facts
+from jaxdp.strategies.pmap_engine import PmapEngine
 from jaxdp.task import batch_size
 
 
@@ -85,6 +85,7 @@ FACTS = Facts("dp", twin="nn.DataParallel",
 class DataParallel(Strategy):
     facts = FACTS
     model_parallel = False  # the whole model on every device
+    engine_class = PmapEngine  # pmap's layout: a copy of the state per device
 
     def __init__(self, model, task, tx, mesh, **kwargs):
         super().__init__(model, task, tx, mesh, **kwargs)
@@ -92,48 +93,14 @@ class DataParallel(Strategy):
             raise StrategyError("dp: nn.DataParallel has no SyncBatchNorm; use ddp --sync-bn")
         if jax.process_count() > 1:
             raise StrategyError("dp is single-process (one controller, like nn.DataParallel); use ddp")
-        self.devices = list(mesh.devices.flat)
-        self._sharding = NamedSharding(mesh, P(self.batch_axes))
-        self._pmap_step = jax.pmap(self._in_step_context(self._device_step), axis_name=self.axis,
-                                   devices=self.devices, donate_argnums=0)
-        self._pmap_eval = jax.pmap(self._device_eval, axis_name=self.axis, devices=self.devices)
 
-    # -- placement: every leaf gets a leading device axis (pmap's layout) ---------------------
-    def init(self, rng, example_batch):
-        self.learn_structure(example_batch)
-        batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example_batch)
-        return self.init_state(jax.jit(lambda r: self.init_fn(r, _zeros(batch)))(rng))
+    @property
+    def devices(self):
+        return self.engine.devices
 
-    def from_canonical(self, state):
-        self.shapes = layout.shapes_of(state.params)
-        n = self.num_devices
-        return jax.tree_util.tree_map(
-            lambda x: jax.device_put(np.broadcast_to(np.asarray(x)[None], (n,) + np.shape(x)), self._sharding),
-            state)
-
-    def canonical(self, state):
-        """Device 0's copy: the state nn.DataParallel's module and optimizer hold."""
-        return jax.tree_util.tree_map(lambda x: jax.device_put(x[0], self.devices[0]), state)
-
-    def stored(self, state):
-        # Device 0's copy, replicated on the mesh so that the shared layout code can cut it.
-        return super().stored(jax.device_put(self.canonical(state), NamedSharding(self.mesh, P())))
-
-    def from_stored(self, stored):
-        return self.from_canonical(jax.device_get(stored))
-
-    def shard_batch(self, batch):
-        n = self.num_devices
-
-        def split(a):
-            a = np.asarray(a)
-            if a.shape[0] % n:
-                raise StrategyError(f"dp: batch {a.shape[0]} does not split into {n} equal chunks")
-            return jax.device_put(a.reshape(n, a.shape[0] // n, *a.shape[1:]), self._sharding)
-        return jax.tree_util.tree_map(split, batch)
-
-    # -- the step -------------------------------------------------------------------------------
-    def _device_step(self, state, batch):
+    def local_step(self, state, batch):
+        """One device's step under pmap: its chunk's gradient gathered to device 0, summed and applied
+        there, the params and model state broadcast back from device 0."""
         n, axis = self.num_devices, self.axis
         loss, grads, model_state, metrics = local_grads(
             self.task.loss_fn, state.params, state.model_state, batch, self.step_key(state.step), self.accum_steps)
@@ -164,17 +131,4 @@ class DataParallel(Strategy):
             out["grads"] = unravel(broadcast_from_first(total, axis, n))
         return new_state, out
 
-    def step(self, state, batch):
-        self.learn_structure(jax.tree_util.tree_map(lambda x: x[0], batch))
-        state, metrics = self._pmap_step(state, batch)
-        return state, jax.tree_util.tree_map(lambda x: x[0], metrics)
-
-    def lower_step(self, state, batch):
-        return self._pmap_step.lower(state, batch)
-
-    # -- evaluation -----------------------------------------------------------------------------
-    def _device_eval(self, state, batch):
-        return jax.lax.psum(self.local_eval(state, batch), self.axis)
-
-    def evaluate(self, state, batch):
-        return jax.tree_util.tree_map(lambda x: x[0], self._pmap_eval(state, batch))
+    _device_step = local_step  # the name analysis/state.py reads

@@ -8,9 +8,9 @@ parameter for this reason):
 - **sharded init needs it.** ``jit(model.init, out_shardings=...)`` with a
   per-dimension sharding lets XLA generate each device's slice of the random
   params on that device (``jax_threefry_partitionable``): the 18-layer CIFAR CNN (11.2 M params) at N = 8
-  built params + Adam state in 24.8 MiB per device, bit-identical to an
-  unsharded init. Our earlier flat layout (ravel, pad, cut) cannot be
-  partitioned that way: the same init materialised 168 MiB per device.
+  builds params + Adam state in 24.8 MiB per device, bit-identical to an
+  unsharded init. A flat layout (ravel, pad, cut) cannot be partitioned that
+  way: the same init would materialise 168 MiB per device.
 - **it composes with other axes** (tensor parallelism shards another dim).
 
 Which dimension: the largest one that N divides (HWIO conv kernels: the channel
@@ -80,6 +80,11 @@ def padded_shapes(shapes, n: int):
 
 def shapes_of(tree):
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def zeros(shapes):
+    """Arrays of ``shapes`` for tracing ``model.init``: only their shapes matter, and zeros cost nothing under jit."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 # ----------------------------------------------------------------------------- inside shard_map

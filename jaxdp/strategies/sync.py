@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import collectives, compression
 from jaxdp.strategies import buckets
-from jaxdp.strategies.base import StrategyError
+from jaxdp.strategies.errors import StrategyError
 
 
 class SyncError(StrategyError):
@@ -77,6 +77,18 @@ class AllReduce:
             return vanilla(grads), state
         # step counts updates = hook calls: torch's PowerSGDState.iter.
         return self.powersgd.reduce(grads, state, step, axis, self.sum_fn, vanilla)
+
+
+def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
+    """Refuse the sync options whose collectives cannot run beside a model axis."""
+    if strategy.model_split is None:
+        return
+    if allreduce == "ring":
+        # The ring is traced with check_vma=False, and without the varying/invariant types JAX
+        # would not insert tensor parallelism's backward all-reduces.
+        raise StrategyError("allreduce='ring' does not combine with a model axis (tensor parallelism); use psum")
+    if compress == "powersgd":
+        raise StrategyError("compress='powersgd' does not combine with a model axis (tensor parallelism) yet")
 
 
 def replicated_specs(tree):

@@ -49,11 +49,12 @@ from jax.sharding import Mesh
 from jaxdp import registry
 from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
-from jaxdp.strategies.base import (Strategy, StrategyError, ddp_buffers, local_grads, refuse_with_tensor_parallel,
-                                   train_metrics)
+from jaxdp.strategies.base import Strategy
+from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
 from jaxdp.strategies.factsheet import Facts
-from jaxdp.strategies.sync import AllReduce
+from jaxdp.strategies.sync import AllReduce, refuse_with_tensor_parallel
 from jaxdp.strategies.units import REMATS, Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 # Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
@@ -85,7 +86,31 @@ HSDP = dataclasses.replace(ZERO3, name="hsdp", twin="FSDP2 on a 2-D DeviceMesh (
 
 
 def facts_for(stage: int = 3, hsdp: bool = False) -> Facts:
+    if stage not in STAGES:
+        raise StrategyError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+    if hsdp and stage != 3:
+        raise StrategyError("hsdp is ZeRO stage 3 on a 2-D mesh")
     return HSDP if hsdp else STAGES[stage]
+
+
+# Why a stage refuses an option its facts list in ``refused``: (the options, whether one is set, the reason).
+REFUSALS = (
+    (("allreduce", "compress"), lambda o: o["allreduce"] != "psum" or o["compress"],
+     "allreduce/compress are all-reduce hooks: zero{stage} reduce-scatters instead (use ddp or zero1)"),
+    (("units",), lambda o: o["units"], "units are ZeRO-3's gather-on-use units; zero{stage} keeps params whole"),
+    (("remat",), lambda o: o["remat"] != "unit",
+     "remat is ZeRO-3's choice for its FSDP units; zero{stage} keeps params whole"),
+    (("bucket_cap_mb",), lambda o: o["bucket_cap_mb"] is not None,
+     "bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero{stage} moves params and grads per FSDP unit"),
+    (("mesh_shape",), lambda o: o["mesh_shape"] is not None, "mesh_shape is hsdp's (replicas, shards)"),
+)
+
+
+def refuse_options(facts: Facts, stage: int, options) -> None:
+    """One line for the first option that is set although ``facts`` refuse it."""
+    for names, is_set, reason in REFUSALS:
+        if set(names) & facts.refused and is_set(options):
+            raise StrategyError(reason.format(stage=stage))
 
 
 class ZeRO(Strategy):
@@ -95,30 +120,16 @@ class ZeRO(Strategy):
                  bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
                  hsdp: bool = False, **kwargs):
-        if stage not in (1, 2, 3):
-            raise StrategyError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        if hsdp and stage != 3:
-            raise StrategyError("hsdp is ZeRO stage 3 on a 2-D mesh")
-        if (allreduce != "psum" or compress) and stage != 1:
-            raise StrategyError(f"allreduce/compress are all-reduce hooks: zero{stage} reduce-scatters "
-                                "instead (use ddp or zero1)")
-        if units and stage != 3:
-            raise StrategyError(f"units are ZeRO-3's gather-on-use units; zero{stage} keeps params whole")
+        self.stage, self.hsdp = stage, hsdp
+        self.facts = facts_for(stage, hsdp)
         if remat not in REMATS:
             raise StrategyError(f"remat must be one of {', '.join(REMATS)} (what an FSDP unit keeps for backward), "
                                 f"got {remat!r}")
-        if remat != "unit" and stage != 3:
-            raise StrategyError(f"remat is ZeRO-3's choice for its FSDP units; zero{stage} keeps params whole")
-        if bucket_cap_mb is not None and stage == 3:
-            raise StrategyError("bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero3 moves params and "
-                                "grads per FSDP unit")
-        self.stage, self.hsdp = stage, hsdp
-        self.facts = facts_for(stage, hsdp)
+        refuse_options(self.facts, stage, dict(allreduce=allreduce, compress=compress, units=units, remat=remat,
+                                               bucket_cap_mb=bucket_cap_mb, mesh_shape=mesh_shape))
         if hsdp:
             self.batch_axes = (REPLICA_AXIS, DATA_AXIS)
             mesh = hsdp_mesh(mesh, mesh_shape)
-        elif mesh_shape is not None:
-            raise StrategyError("mesh_shape is hsdp's (replicas, shards)")
         super().__init__(model, task, tx, mesh, **kwargs)
         if units and self.pp is not None:
             raise StrategyError("zero3 units are gathered module by module; on pipeline stages each stage's "
@@ -136,53 +147,60 @@ class ZeRO(Strategy):
     def extra_specs(self, extra):
         return self.sync.specs(self.axis) if self.sync.stateful else super().extra_specs(extra)
 
-    def _learn_units(self, init, batch):
+    def learn_units(self, init, batch):
         self.unit_paths = []
         if not self.units:
-            return super()._learn_units(init, batch)
+            return super().learn_units(init, batch)
         shapes = []
         self.unit_paths = unit_paths(self.units, init, batch, with_shapes=shapes)  # traces init once: the order too
         return shapes[0]
 
     # -- per device -----------------------------------------------------------------------------
     def local_step(self, state, batch):
-        key, n = self.step_key(state.step), self.num_devices
-        if self.stage == 3:
-            params = state.params  # chunks: already per-device along "data"
-            if self.hsdp:  # new: each replica's own grads
-                params = jax.lax.pcast(params, REPLICA_AXIS, to="varying")
-            loss, grads, model_state, metrics = local_grads(
-                self.gathering_loss(self.task.loss_fn), params, state.model_state, batch, key, self.accum_steps)
-            grads, extra = self.average_chunks(grads), state.extra
-        else:
-            params = jax.lax.pcast(state.params, self.axis, to="varying")
-            loss, grads, model_state, metrics = local_grads(
-                self.task.loss_fn, params, state.model_state, batch, key, self.accum_steps)
-            if self.stage == 1:  # DDP's all-reduce, then keep my chunk
-                grads, extra = self.sync(grads, state.extra, state.step, self.axis, n, self.param_order)
-                grads = self.my_chunks(grads)
-            else:  # stage 2: reduce-scatter instead
-                grads, extra = self.reduce_scatter(grads), state.extra
-        my_params = state.params if self.stage == 3 else self.my_chunks(state.params)
+        whole = not self.sharded_params  # stages 1 and 2 hold the params whole; stage 3 and HSDP as chunks
+        loss_fn = self.task.loss_fn if whole else self.gathering_loss(self.task.loss_fn)
+        loss, grads, model_state, metrics = local_grads(
+            loss_fn, self.differentiated(state.params), state.model_state, batch, self.step_key(state.step),
+            self.accum_steps)
+        grads, extra = self.chunk_of_average(grads, state)
+        my_params = self.my_chunks(state.params) if whole else state.params
         updates, opt_state = self.tx.update(grads, state.opt_state, my_params)
         new_params = optax.apply_updates(my_params, updates)
         new_state = state.replace(
             step=state.step + 1,
-            params=new_params if self.stage == 3 else self.gather(new_params),
+            params=self.gather(new_params) if whole else new_params,  # stage 3: the chunks are the params
             model_state=ddp_buffers(model_state, self.batch_axes, self.sync_bn),
             opt_state=opt_state,
             extra=extra,
         )
-        full_grads = self.gather(grads, per_tensor=self.stage == 3) if self.return_grads else None
+        full_grads = self.gather(grads, per_tensor=not whole) if self.return_grads else None
         return new_state, self.with_grad_norm(train_metrics(loss, metrics, self.batch_axes, full_grads), grads,
                                               chunked=True)
+
+    def differentiated(self, params):
+        """The params the gradient is taken at, per device along the axes they are replicated over
+        (the check_vma trap: base.py): data for whole params; HSDP's chunks, along replica."""
+        if not self.sharded_params:
+            return jax.lax.pcast(params, self.axis, to="varying")
+        return jax.lax.pcast(params, REPLICA_AXIS, to="varying") if self.hsdp else params
+
+    def chunk_of_average(self, grads, state):
+        """This device's chunk of the averaged gradient, and the sync's new state, by what the
+        stage's facts shard: gradients with the params (stage 3, HSDP), gradients only (stage 2),
+        neither (stage 1: DDP's all-reduce, then this device's chunk)."""
+        if self.sharded_params:
+            return self.average_chunks(grads), state.extra
+        if "grads" in self.facts.sharded:
+            return self.reduce_scatter(grads), state.extra
+        grads, extra = self.sync(grads, state.extra, state.step, self.axis, self.num_devices, self.param_order)
+        return self.my_chunks(grads), extra
 
     def local_eval(self, state, batch):
         # As in training, one unit's params at a time: evaluation must fit where training does.
         eval_fn = self.eval_task.eval_fn
         return self.gathering_loss(lambda p, ms, b, _: eval_fn(p, ms, b))(state.params, state.model_state, batch,
                                                                           None) \
-            if self.stage == 3 else eval_fn(state.params, state.model_state, batch)
+            if self.sharded_params else eval_fn(state.params, state.model_state, batch)
 
     # -- collectives ------------------------------------------------------------------------------
     def gathering_loss(self, loss_fn):
@@ -250,12 +268,12 @@ class ZeRO(Strategy):
         ids = [index[p] for p in reduction_order(local, self.param_order)]
         sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in ids]
         groups = [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, self.sync.limits)]
-        if self.tp is None:
+        if self.model_split is None:
             return groups
         # A bucket moves as one concatenated array, and an array that mixes model slices with
         # replicated tensors is typed as varying over the model axis as a whole: so the split
         # and the replicated members of each bucket travel in separate collectives.
-        split = [self.tp.dim("/".join(map(str, ("params",) + paths[i])), leaves[i].shape) is not None
+        split = [self.model_split.dim("/".join(map(str, ("params",) + paths[i])), leaves[i].shape) is not None
                  for i in range(len(leaves))]
         return [part for g in groups for part in ([i for i in g if split[i]], [i for i in g if not split[i]]) if part]
 

@@ -118,7 +118,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     for _ in range(cfg["warmup"]):
         state, out = run(state, batch)
         # Each step waits for the last: back-to-back programs on a CPU mesh with two device
-        # axes can deadlock in XLA:CPU's rendezvous (Strategy._one_at_a_time).
+        # axes can deadlock in XLA:CPU's rendezvous (ShardMapEngine._one_at_a_time).
         jax.block_until_ready((state, out))
     jax.block_until_ready(state)
     times = []
