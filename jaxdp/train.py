@@ -64,7 +64,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
 
 
 def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callable], t_start: float) -> None:
-    cfg, strategy = run.cfg, run.strategy
+    cfg = run.cfg
     steps_per_epoch = run.setup.steps_per_epoch
     end_epoch, end_step = end_position(cfg, steps_per_epoch)
     run.stop_if_asked()  # a Ctrl-C while the state was built (a compile): nothing trained yet
