@@ -16,7 +16,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
 ALLREDUCES = ("psum", "ring")
 COMPRESSIONS = ("bf16", "fp16", "powersgd")
-REMATS = ("unit", "none")
+REMATS = ("unit", "none")  # FSDP units (jaxdp.strategies.units): keep the input and recompute, or keep activations
 
 
 def __getattr__(name):

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp.choices import REMATS  # what a unit keeps from forward to backward (``fsdp_unit``): "unit" | "none"
+
 Path = Tuple[str, ...]
 
 
@@ -162,7 +164,6 @@ def _set_counters(counters: dict, values: dict) -> None:
             counters[k] = v
 
 
-REMATS = ("unit", "none")  # what a unit keeps from forward to backward (``fsdp_unit``)
 
 
 def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mutable: Sequence[str],
