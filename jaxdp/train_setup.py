@@ -14,7 +14,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxdp import __version__
+from jaxdp import __version__, registry
 from jaxdp.config import (TrainConfig, TrainError, batchnorm_batch_error, check_choice, epoch_length, per_device_batch,
                           total_steps)
 from jaxdp.data import load_dataset
@@ -25,7 +25,7 @@ from jaxdp.models import ModelError, create_model, fsdp_units
 from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
 from jaxdp.perf import enable_compile_cache
 from jaxdp.startup import preset_device_count
-from jaxdp.strategies import REGISTRY, STRATEGIES, StrategyError, options_of
+from jaxdp.strategies import StrategyError, options_of
 from jaxdp.trainer import StrategySpec, Trainer, classifier
 
 IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10, the synthetic set and digits (padded)
@@ -53,7 +53,7 @@ def build(cfg: TrainConfig) -> Setup:
     if cfg.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     model = create_model(cfg.model, width=cfg.width, blocks=cfg.blocks, stem=cfg.stem, dtype=cfg.dtype)
-    check_choice("strategy", cfg.strategy, STRATEGIES)
+    check_choice("strategy", cfg.strategy, registry.names())  # now: a strategy registered late too
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     check_choice("schedule", cfg.schedule, SCHEDULES)
     options = strategy_options(cfg)
@@ -129,7 +129,7 @@ def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:
 
 def strategy_options(cfg: TrainConfig) -> dict:
     """The options ``cfg.strategy`` takes; a changed option it does not take is an error."""
-    if cfg.strategy not in REGISTRY:
+    if cfg.strategy not in registry.names():
         return {}  # create_strategy names the valid choices
     accepted = options_of(cfg.strategy)
     defaults = TrainConfig()
