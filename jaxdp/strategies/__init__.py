@@ -1,4 +1,5 @@
-"""Data-parallel strategies, one module each, over the engine in ``base.py``:
+"""Data-parallel strategies, one module each, each the hooks of ``base.Strategy`` run by one engine
+(``engine.py``; ``pmap_engine.py`` for dp):
 
 - ``ddp``: replicated state, bucketed gradient all-reduce (torch DDP); ring all-reduce and
   compression hooks are options of its ``sync.AllReduce``.
