@@ -260,9 +260,9 @@ class _PendingRecords:
 
 
 def _utilisation(run: _Run, batch):
-    """Compile the first step ahead of time (``jit`` reuses the program) for its memory; the
-    model's FLOPs per image (``jaxdp.flops``) for MFU, counted only where there is a peak."""
-    compiled = run.strategy.lower_step(run.state, batch).compile()
+    """Compile the first step ahead of time (the steps then run that program) for its memory;
+    the model's FLOPs per image (``jaxdp.flops``) for MFU, counted only where there is a peak."""
+    compiled = run.strategy.compile_step(run.state, batch)
     barrier("step compiled")  # see distributed.barrier: the first step's collectives find everyone
     device = next(d for d in run.strategy.mesh.devices.flat if d.process_index == jax.process_index())
     peak = peak_flops(device.device_kind, run.cfg.dtype, run.cfg.peak_flops)

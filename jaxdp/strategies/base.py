@@ -180,6 +180,10 @@ class Strategy(StepReductions):
         """The lowered training step, for HLO and memory inspection."""
         return self.engine.lower_step(state, batch)
 
+    def compile_step(self, state: TrainState, batch):
+        """The step compiled for these arguments; ``step`` runs this program from then on."""
+        return self.engine.compile_step(state, batch)
+
     def shard_batch(self, batch):
         """A host batch (this process's rows of a pytree) -> global arrays split over the batch axes."""
         return self.engine.shard_batch(batch)

@@ -31,12 +31,13 @@ class ShardMapEngine:
     def __init__(self, strategy):
         self.strategy = strategy
         self.jit_step = None  # built on first use: its specs need a state
+        self.compiled_step = None  # compile_step's program, which step runs while its arguments fit
         self.jit_eval = None
         self._in_flight = None  # the last program's outputs, on meshes that run one at a time
 
     def forget_step(self) -> None:
         """Drop the compiled step: the next one traces again (a new rng root is a constant in it)."""
-        self.jit_step = None
+        self.jit_step = self.compiled_step = None
 
     # -- state ---------------------------------------------------------------------------------
     def init(self, rng, example_batch) -> TrainState:
@@ -113,11 +114,24 @@ class ShardMapEngine:
     # -- programs ------------------------------------------------------------------------------
     def step(self, state: TrainState, batch):
         self.strategy.learn_structure(batch)
-        return self._one_at_a_time(self._step_program(state), state, batch)
+        program = self._step_program(state)
+        if self.compiled_step is not None:
+            try:
+                return self._one_at_a_time(self.compiled_step, state, batch)
+            except (TypeError, ValueError):  # checked before it runs: arguments of another shape or placement
+                self.compiled_step = None
+        return self._one_at_a_time(program, state, batch)
 
     def lower_step(self, state: TrainState, batch):
         self.strategy.learn_structure(batch)
         return self._step_program(state).lower(state, batch)
+
+    def compile_step(self, state: TrainState, batch):
+        """The step compiled ahead of time for these arguments (for its memory and cost), and
+        the program ``step`` runs from then on: jit would otherwise trace and compile it again
+        at the first step (measured: a second compile of every run's step)."""
+        self.compiled_step = self.lower_step(state, batch).compile()
+        return self.compiled_step
 
     def evaluate(self, state: TrainState, batch):
         s = self.strategy

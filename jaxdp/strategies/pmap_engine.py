@@ -28,6 +28,7 @@ class PmapEngine:
         s = self.strategy
         self.jit_step = jax.pmap(in_step_context(s, s.local_step), axis_name=s.axis, devices=self.devices,
                                  donate_argnums=0)
+        self.compiled_step = None
 
     # -- state: a copy per device -----------------------------------------------------------------
     def init(self, rng, example_batch) -> TrainState:
@@ -67,11 +68,24 @@ class PmapEngine:
     # -- programs ---------------------------------------------------------------------------------
     def step(self, state, batch):
         self.strategy.learn_structure(_first(batch))
-        state, metrics = self.jit_step(state, batch)
+        state, metrics = self._run(state, batch)
         return state, _first(metrics)
+
+    def _run(self, state, batch):
+        if self.compiled_step is not None:
+            try:
+                return self.compiled_step(state, batch)
+            except (TypeError, ValueError):  # checked before it runs: arguments of another shape or placement
+                self.compiled_step = None
+        return self.jit_step(state, batch)
 
     def lower_step(self, state, batch):
         return self.jit_step.lower(state, batch)
+
+    def compile_step(self, state, batch):
+        """As ``ShardMapEngine.compile_step``: compiled once, and run by ``step`` from then on."""
+        self.compiled_step = self.lower_step(state, batch).compile()
+        return self.compiled_step
 
     def _device_eval(self, state, batch):
         return jax.lax.psum(self.strategy.local_eval(state, batch), self.strategy.axis)
