@@ -16,13 +16,27 @@ NOT_SCALARS = ("kind", "step", "epoch")  # the record's coordinates, not values 
 _said_off = [False]
 
 
-class ScalarWriter:
-    def __init__(self, logdir: str, purge_step: Optional[int]):
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, loaded without torch: tensorboardX.writer imports torch
+    whenever it is installed, only to accept torch tensors (jaxdp writes floats), and that
+    import was ~3 s of every run's start-up. ``sys.modules["torch"] = None`` makes that one
+    ``import torch`` fail while tensorboardX loads; a process that has torch already keeps it."""
+    if "torch" in sys.modules:
         from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
+
+class ScalarWriter:
+    def __init__(self, writer_class, logdir: str, purge_step: Optional[int]):
         # purge_step: TensorBoard hides what an interrupted run logged past the checkpoint,
         # as metrics.jsonl drops those records.
-        self._writer = SummaryWriter(logdir, purge_step=purge_step)
+        self._writer = writer_class(logdir, purge_step=purge_step)
 
     def write(self, record: dict) -> None:
         for name, value in record.items():
@@ -39,11 +53,11 @@ class ScalarWriter:
 def open_scalar_writer(logdir: str, keep_through_step: int = 0) -> Optional[ScalarWriter]:
     """A writer, or None (with one line, once per process) when tensorboardX is missing."""
     try:
-        import tensorboardX  # noqa: F401
+        writer_class = _summary_writer_class()
     except ImportError:
         if not _said_off[0]:
             _said_off[0] = True
             print("jaxdp: TensorBoard scalars are off (pip install tensorboardX, or jaxdp[tensorboard]); "
                   "metrics.jsonl has every number", file=sys.stderr, flush=True)
         return None
-    return ScalarWriter(logdir, purge_step=keep_through_step + 1 if keep_through_step else None)
+    return ScalarWriter(writer_class, logdir, purge_step=keep_through_step + 1 if keep_through_step else None)

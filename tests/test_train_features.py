@@ -170,3 +170,20 @@ def test_without_tensorboardx_scalars_are_off_said_once(tmp_path, monkeypatch, c
     assert scalars.open_scalar_writer(str(tmp_path / "a")) is None
     assert scalars.open_scalar_writer(str(tmp_path / "b")) is None
     assert capsys.readouterr().err.count("TensorBoard scalars are off") == 1
+
+
+def test_tensorboard_scalars_do_not_load_torch(tmp_path):
+    """tensorboardX imports torch whenever it is installed (~3 s of each run's start-up); jaxdp's
+    writer loads it without, here where torch is installed, and still writes the event file."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    assert importlib.util.find_spec("torch") is not None
+    script = ("import sys; from jaxdp.scalars import open_scalar_writer\n"
+              f"w = open_scalar_writer({str(tmp_path)!r}); w.write({{'kind': 'train', 'step': 1, 'loss': 0.5}}); w.close()\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+    assert glob.glob(str(tmp_path / "events.out.tfevents.*"))
