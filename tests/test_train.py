@@ -372,11 +372,15 @@ def quickstart_args():
 
 
 @pytest.mark.slow
-def test_quickstart_learns_far_better_than_chance(tmp_path):
+def test_quickstart_learns_far_better_than_chance(tmp_path, user_env):
+    """`make train`'s run, as a user's shell runs it: its own process and XLA's optimising
+    build, not this suite's level-0 one (under which its 78 steps cost 110 s of CPU, not 58)."""
     args = quickstart_args()
     out = args.index("--out")
     args[out + 1] = str(tmp_path)
-    assert main(["train", *args, "--no-progress"]) == 0
+    done = subprocess.run([sys.executable, "-m", "jaxdp.cli", "train", *args, "--no-progress"], env=user_env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
     final = read_records(str(tmp_path), "eval")[-1]
     # The README's promise, "> 90 % accuracy on the synthetic set after 2 epochs" (measured:
     # 0.561 after epoch 1, 1.000 after epoch 2; chance is 0.1). lr 0.2 sits inside a wide
