@@ -188,7 +188,7 @@ def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,
     # A comparison of the first ``jax_steps`` needs only those torch steps: the torch config
     # (its lr schedule's length included) stays the full run's, so they are its prefix.
     torch_steps = min(jax_steps or cfg.steps, cfg.steps)
-    from_torch = torch_records(p, sd, batches[:torch_steps], reuse=reuse_torch)
+    from_torch = torch_records(p, sd, batches, steps=torch_steps, reuse=reuse_torch)
     t2 = time.perf_counter()
     if bug is not None:
         p.notes.append(f"INJECTED BUG in jaxdp: {bugs.BUGS[bug].what}")

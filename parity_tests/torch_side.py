@@ -2,13 +2,18 @@
 a cache of those runs, since several jaxdp pairs share one twin (ddp, dp, ring and async all
 run against DDP) and the injected bugs share the clean run's.
 
+The cache lives in the process, and, where ``JAXDP_PARITY_TORCH_CACHE`` names a directory, in
+files there too: the test session sets it (conftest), so that its xdist workers share each torch
+run, whichever test module needs it first.
+
 Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -19,20 +24,51 @@ _TORCH_RUNS: Dict[Any, List[dict]] = {}  # torch_cache_key, or (key, steps) for 
 _TORCH_RANKS: Dict[str, List[dict]] = {}  # torch_cache_key -> the ranks' rank_info
 
 
+SHARED_CACHE_ENV = "JAXDP_PARITY_TORCH_CACHE"
+
+
 def torch_records(p: Plan, state_dict: Mapping[str, np.ndarray], batches: Sequence[Tuple[np.ndarray, np.ndarray]],
-                  *, reuse: bool = False) -> List[dict]:
-    """torch_ref's records of the steps in ``batches`` (a prefix of the plan's run, or all of it).
-    ``reuse``: from an earlier identical torch run in this process (``torch_cache_key``) if there
-    is one, and kept for the next."""
-    steps = len(batches)
+                  *, steps: Optional[int] = None, reuse: bool = False) -> List[dict]:
+    """torch_ref's records of the first ``steps`` of ``batches`` (the plan's run; default all of it).
+    ``reuse``: from an earlier identical torch run (``torch_cache_key``) if there is one, and kept
+    for the next; with a shared cache directory, the whole run is computed and kept."""
+    steps = len(batches) if steps is None else steps
+    if not reuse:
+        return run_torch(p, state_dict, batches[:steps])
     key = torch_cache_key(p)
-    cached = (_TORCH_RUNS.get(key) or _TORCH_RUNS.get((key, steps))) if reuse else None
+    cached = _TORCH_RUNS.get(key) or _TORCH_RUNS.get((key, steps))
     if cached is not None:
         return cached
-    records = run_torch(p, state_dict, batches)
-    if reuse:
-        _TORCH_RUNS[key if steps == p.cfg.steps else (key, steps)] = records
+    directory = os.environ.get(SHARED_CACHE_ENV)
+    if directory:
+        records = _shared_run(directory, key, p, lambda: run_torch(p, state_dict, batches))
+        _TORCH_RUNS[key] = records
+        return records
+    records = run_torch(p, state_dict, batches[:steps])
+    _TORCH_RUNS[key if steps == p.cfg.steps else (key, steps)] = records
     return records
+
+
+def _shared_run(directory: str, key: str, p: Plan, run: Callable[[], List[dict]]) -> List[dict]:
+    """``run()``'s records, computed once for every process that shares ``directory``: the
+    first to ask runs it while the others wait on the key's lock, then read its file."""
+    import fcntl
+    import hashlib
+    import pickle
+
+    path = os.path.join(directory, hashlib.sha256(key.encode()).hexdigest()[:32] + ".pkl")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                records, ranks = pickle.load(f)
+            p.torch_ranks = _TORCH_RANKS[key] = ranks
+            return records
+        records = run()
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump((records, p.torch_ranks), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(path + ".tmp", path)
+        return records
 
 
 def run_torch(p: Plan, state_dict: Mapping[str, np.ndarray],
