@@ -2,6 +2,7 @@
 scalars equal to metrics.jsonl, a profiler trace, MFU and memory in the records, the time to
 the first step, and the compilation cache's directory rules. One tiny run serves most checks."""
 
+import contextlib
 import glob
 import math
 import os
@@ -24,7 +25,29 @@ def run(tmp_path_factory):
     steps 2-3 profiled, MFU against a made-up peak of 1 GFLOP/s."""
     cfg = TrainConfig(out=str(tmp_path_factory.mktemp("features")), epochs=1, max_steps=6, eval_every=3,
                       checkpoint_every=1, keep=2, profile_steps=(2, 4), peak_flops=1e9, **TINY)
-    return cfg, train(cfg)
+    with jax_compile_log(COMPILE_LOG):
+        return cfg, train(cfg)
+
+
+COMPILE_LOG = []  # jax's compile log lines of ``run``
+
+
+@contextlib.contextmanager
+def jax_compile_log(lines):
+    """jax's "Finished tracing / lowering / compilation of ..." lines, appended to ``lines``."""
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler, logger = Keep(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def records(out, kind=None):
@@ -121,6 +144,14 @@ def test_mfu_is_model_flops_and_memory_comes_from_the_compiled_step(run):
                    - mem.alias_size_in_bytes) / 2**20
     assert all(r["memory_mb"] == pytest.approx(expected_mb) for r in train_records)
     assert jax.devices()[0].memory_stats() is None
+
+
+def test_the_step_is_traced_and_compiled_once(run):
+    """The loop compiles its first step ahead of time (its memory, MFU) and then runs that
+    program: jit tracing and compiling it again at step 1 doubled every run's start-up."""
+    for stage in ("tracing local_step", "jaxpr to MLIR module conversion jit(local_step)",
+                  "XLA compilation of jit(local_step)"):
+        assert sum(line.startswith(f"Finished {stage}") for line in COMPILE_LOG) == 1, (stage, COMPILE_LOG)
 
 
 def test_time_to_first_step_is_in_the_first_record_only(run):
