@@ -23,21 +23,23 @@ NHWC, hence OIHW -> HWIO is ``transpose(2, 3, 1, 0)`` and HWIO -> OIHW is
 while ``nn.Dense`` computes ``x @ K + b`` with K (in, out), so K = W.T.
 Everything else (BN vectors, biases) is stored identically.
 
-ViTs. Every public function here also takes a ViT (timm layout, see
-``jaxdp.models.vit.torch_names``), told apart by its ``cls_token``: the names
-follow that module's grammar, the layouts the rules above.
+Each model keeps its key grammar beside it: ``jaxdp.models.resnet.torch_names``
+(torchvision's keys and their order) and ``jaxdp.models.vit.torch_names`` (timm's).
+Every public function here takes either, a ViT told apart by its ``cls_token``; the
+layouts are the rules above, here.
 
 Conversion only moves and permutes values, never does arithmetic, so every
 round trip is bit-exact. The same rules convert any params-shaped tree (grads,
 SGD momentum, Adam m/v) to torch names and layout: ``tree_to_torch_names``.
 """
 
-import re
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 import jax
 import numpy as np
 
+from jaxdp.models.errors import key_listing
+from jaxdp.models.resnet import torch_names as resnet_names
 from jaxdp.models.vit import torch_names as vit_names
 
 Path = Tuple[str, ...]
@@ -47,7 +49,7 @@ Path = Tuple[str, ...]
 _PARAM_LEAVES = {"kernel": "weight", "scale": "weight", "bias": "bias"}
 _STAT_LEAVES = {"mean": "running_mean", "var": "running_var"}
 _KIND_LEAVES = {"param": _PARAM_LEAVES, "batch_stats": _STAT_LEAVES}
-_NBT = "num_batches_tracked"
+_NBT = resnet_names.NBT
 
 
 # --- layouts -----------------------------------------------------------------
@@ -79,78 +81,6 @@ def _numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach") and hasattr(x, "cpu"):
         x = x.detach().cpu().numpy()
     return np.array(x, copy=True)
-
-
-# --- the torchvision ResNet key grammar --------------------------------------
-
-def _infer_resnet(names) -> Tuple[bool, Tuple[int, ...]]:
-    """(bottleneck?, blocks per stage) from the keys themselves. A stage with no
-    keys at all counts as one block, so its keys are reported missing."""
-    bottleneck = any(n.startswith("layer1.0.conv3.") for n in names)
-    sizes = []
-    for stage in range(1, 5):
-        idx = [int(m.group(1)) for n in names if (m := re.match(rf"layer{stage}\.(\d+)\.", n))]
-        sizes.append(max(idx) + 1 if idx else 1)
-    return bottleneck, tuple(sizes)
-
-
-def resnet_state_dict_keys(bottleneck: bool, blocks) -> List[str]:
-    """Every key of a torchvision ResNet's state_dict, in torchvision's order."""
-    keys: List[str] = []
-
-    def conv(name):
-        keys.append(f"{name}.weight")
-
-    def bn(name):
-        keys.extend(f"{name}.{leaf}" for leaf in ("weight", "bias", "running_mean", "running_var", _NBT))
-
-    conv("conv1")
-    bn("bn1")
-    for stage, n in enumerate(blocks, start=1):
-        for b in range(n):
-            p = f"layer{stage}.{b}"
-            for i in range(1, 4 if bottleneck else 3):
-                conv(f"{p}.conv{i}")
-                bn(f"{p}.bn{i}")
-            # Block 0 changes shape (stride 2 from stage 2 on; 4x channels in a
-            # bottleneck's stage 1), so only it carries a projection shortcut.
-            if b == 0 and (stage > 1 or bottleneck):
-                conv(f"{p}.downsample.0")
-                bn(f"{p}.downsample.1")
-    keys += ["fc.weight", "fc.bias"]
-    return keys
-
-
-def _listing(keys, limit: int = 12) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def _check_resnet_keys(names, what: str) -> List[str]:
-    """Raise ValueError (one line) naming the missing and unexpected keys; return
-    the expected keys in torchvision's order. ``num_batches_tracked`` is optional."""
-    names = set(names)
-    bottleneck, blocks = _infer_resnet(names)
-    expected = resnet_state_dict_keys(bottleneck, blocks)
-    missing = [k for k in expected if k not in names and not k.endswith(_NBT)]
-    unexpected = sorted(names - set(expected))
-    if missing or unexpected:
-        arch = f"{'Bottleneck' if bottleneck else 'BasicBlock'} ResNet with blocks {blocks}"
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_listing(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_listing(unexpected)}")
-        if unexpected and all(k.startswith("module.") for k in unexpected):
-            parts.append("(a DDP/DataParallel state_dict? take model.module.state_dict())")
-        raise ValueError(f"{what} does not match a torchvision {arch}: {'; '.join(parts)}")
-    return expected
-
-
-def _torchvision_order(names) -> List[str]:
-    """Sort torch names as torchvision's state_dict lists them (unknown names last)."""
-    rank = {k: i for i, k in enumerate(resnet_state_dict_keys(*_infer_resnet(names)))}
-    return sorted(names, key=lambda k: (rank.get(k, len(rank)), k))
 
 
 # --- tree <-> torch names ----------------------------------------------------
@@ -189,7 +119,7 @@ def param_name_map(params, kind: str = "param") -> Dict[str, Path]:
             raise ValueError("a ViT has no batch_stats; its tree is a param tree")
         return vit_names.param_name_map(_flatten(params))
     names = {_torch_name(path, kind): path for path in _flatten(params)}
-    return {n: names[n] for n in _torchvision_order(names)}
+    return {n: names[n] for n in resnet_names.torchvision_order(names)}
 
 
 def tree_to_torch_names(tree, kind: str = "param") -> Dict[str, np.ndarray]:
@@ -213,8 +143,8 @@ def tree_from_torch_names(named: Mapping[str, Any], like_params, kind: str = "pa
     unexpected = sorted(set(named) - set(names))
     if missing or unexpected:
         raise ValueError(
-            f"torch names do not match the tree: missing: {_listing(missing) or 'none'}; "
-            f"unexpected: {_listing(unexpected) or 'none'}")
+            f"torch names do not match the tree: missing: {key_listing(missing) or 'none'}; "
+            f"unexpected: {key_listing(unexpected) or 'none'}")
     by_path = {}
     like = _flatten(like_params)
     for name, path in names.items():
@@ -254,7 +184,7 @@ def variables_from_state_dict(state_dict: Mapping[str, Any], dtype=None) -> dict
             path = vit_names.flax_path(name)
             flat[path] = cast(_to_flax_layout(path[-1], _numpy(value)))
         return {"params": _nest(flat)}
-    _check_resnet_keys(state_dict, "state_dict")
+    resnet_names.check_keys(state_dict, "state_dict")
     params, stats = {}, {}
     for name, value in state_dict.items():
         *module, leaf = name.split(".")
@@ -293,9 +223,11 @@ def state_dict_from_variables(variables: Mapping[str, Any], num_batches_tracked:
     for name in stats:
         if name.endswith(".running_mean"):
             named[name[: -len("running_mean")] + _NBT] = np.asarray(num_batches_tracked, dtype=np.int64)
-    order = _check_resnet_keys(named, "variables")
+    order = resnet_names.check_keys(named, "variables")
     return {k: named[k] for k in order if k in named}
 
+
+resnet_state_dict_keys = resnet_names.state_dict_keys
 
 __all__ = [
     "param_name_map",

@@ -3,7 +3,7 @@
 FSDP2 on its ``dp`` dim), and against the same model on one device.
 
 Two model families (``TPConfig.family``): the ViT, split Megatron's way, and the ResNet,
-channel-parallel inside each block (``jaxdp/models/resnet_parallel.py``; its torch twin is
+channel-parallel inside each block (``jaxdp/models/resnet/parallel.py``; its torch twin is
 written by hand, ``torch_ref/resnet_tp.py``, as torch's TP styles refuse ``Conv2d``).
 
 One run: the model is initialised in torch and converted (``jaxdp.interop``); both sides take

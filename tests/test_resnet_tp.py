@@ -1,4 +1,4 @@
-"""Channel-parallel ResNet blocks on the ``model`` axis (``jaxdp/models/resnet_parallel.py``)
+"""Channel-parallel ResNet blocks on the ``model`` axis (``jaxdp/models/resnet/parallel.py``)
 beside ddp and ZeRO-3 on ``data``.
 
 With SyncBatchNorm the statistics are the global batch's whatever the mesh, so data=2 x

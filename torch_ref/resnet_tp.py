@@ -1,4 +1,4 @@
-"""The torch twin of jaxdp's channel-parallel ResNet (``jaxdp/models/resnet_parallel.py``), by hand.
+"""The torch twin of jaxdp's channel-parallel ResNet (``jaxdp/models/resnet/parallel.py``), by hand.
 
 torch's tensor-parallel styles refuse ``Conv2d`` (``ColwiseParallel currently only support
 nn.Linear and nn.Embedding``), so each basic block is split explicitly, Megatron's way: tp

@@ -18,6 +18,8 @@ has no buffers, so there is no ``batch_stats`` side.
 import re
 from typing import Dict, Iterable, List, Tuple
 
+from jaxdp.models.errors import key_mismatch
+
 Path = Tuple[str, ...]
 
 _TOKENS = ("cls_token", "pos_embed")  # bare nn.Parameters of the root module
@@ -82,11 +84,6 @@ def param_name_map(paths: Iterable[Path]) -> Dict[str, Path]:
     return {n: names[n] for n in ordered(names)}
 
 
-def _listing(keys, limit: int = 12) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
 def check_keys(names: Iterable[str], what: str) -> List[str]:
     """Raise ValueError (one line) naming the missing and unexpected keys; return
     the expected keys in the twin's order."""
@@ -96,12 +93,5 @@ def check_keys(names: Iterable[str], what: str) -> List[str]:
     missing = [k for k in expected if k not in names]
     unexpected = sorted(names - set(expected))
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_listing(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_listing(unexpected)}")
-        if unexpected and all(k.startswith("module.") for k in unexpected):
-            parts.append("(a DDP/DataParallel state_dict? take model.module.state_dict())")
-        raise ValueError(f"{what} does not match a ViT with depth {depth}: {'; '.join(parts)}")
+        raise key_mismatch(what, f"a ViT with depth {depth}", missing, unexpected)
     return expected

@@ -2,7 +2,7 @@
 
 The variable tree mirrors torchvision's ``state_dict`` keys one to one, so
 ``layer2.0.downsample.1.running_var`` is ``batch_stats/layer2/0/downsample/1/var``
-(see ``jaxdp.interop``). Every convolution pads explicitly and symmetrically as
+(``torch_names``; the layouts in ``jaxdp.interop``). Every convolution pads explicitly and symmetrically as
 torch does: 'SAME' would pad stride-2 convolutions (0, 1) instead of (1, 1).
 """
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp.models.batchnorm import BatchNorm
-from jaxdp.models.resnet_parallel import TP_PLAN, summed_values  # noqa: F401 - found beside the model by jaxdp.parallel.tensor
+from jaxdp.models.resnet.parallel import TP_PLAN, summed_values  # noqa: F401 - found beside the model by jaxdp.parallel.tensor
 from jaxdp.parallel.tensor import model_axis_size, summed_over
 
 # torch's kaiming_normal_(mode="fan_out", nonlinearity="relu"): untruncated normal.
@@ -36,7 +36,7 @@ class _Layers(nn.Module):
     """Shared conv/BN factories so every block pads and normalises identically.
 
     ``model_axis``: run channel-parallel over that mesh axis (inside ``shard_map``; see
-    ``resnet_parallel.py``): each block's first convolution computes this device's slice of
+    ``parallel.py``): each block's first convolution computes this device's slice of
     its channels and the second sums its partial output over the axis. None (the default,
     and always at init): the whole model.
     """
