@@ -8,13 +8,17 @@ here, before any test module imports jax.
 on themselves; the setting is restored after every test, so none leaks into the next.
 """
 
+import json
 import os
 
 import pytest
 
-# The environment as the user's shell gave it, before the settings below: commands that must
-# run as a user runs them (the quickstart) get this one (fixture ``user_env``).
-_USER_ENV = dict(os.environ)
+# The user's own values of what this file sets, saved by the first process that reads it (pytest,
+# or the xdist controller: its workers inherit the environment it changed): commands that must run
+# as a user runs them (the quickstart) get these back (fixture ``user_env``).
+_USER_SETTINGS = "JAXDP_TEST_USER_SETTINGS"
+_SET_HERE = ("XLA_FLAGS", "JAX_PLATFORMS", "JAXDP_COMPILER_OPTIONS", "JAXDP_TORCH_BACKEND")
+os.environ.setdefault(_USER_SETTINGS, json.dumps({k: os.environ.get(k) for k in _SET_HERE}))
 
 # Tests run tiny models, so XLA's compile time dominates; backend optimisation level 0
 # cuts the suite's CPU time by ~40% (measured: test_ddp 135 s -> 85 s), and XLA:CPU's
@@ -98,7 +102,14 @@ def user_env():
     flags or jaxdp settings, so the command compiles and runs as theirs does (their XLA
     optimises; the suite's level-0 build runs a 78-step ResNet-18 twice as slow). Its
     devices stay on the CPU, and its torch side on gloo, as the suite's do."""
-    return dict(_USER_ENV, JAX_PLATFORMS="cpu", JAXDP_TORCH_BACKEND=os.environ["JAXDP_TORCH_BACKEND"])
+    from parity_tests.torch_side import SHARED_CACHE_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (_USER_SETTINGS, SHARED_CACHE_ENV, "PYTEST_XDIST_WORKER")}
+    for name, value in json.loads(os.environ[_USER_SETTINGS]).items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
+    return dict(env, JAX_PLATFORMS="cpu", JAXDP_TORCH_BACKEND=os.environ["JAXDP_TORCH_BACKEND"])
 
 
 def pytest_pyfunc_call(pyfuncitem):
