@@ -52,8 +52,8 @@ error_feedback_dropped   PowerSGD's new error computed from this step's  step s 
 Where each is patched, per strategy:
 
 =======================  ==============================================================================
-same_padding             ``resnet._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
-biased_var               ``resnet.BatchNorm``: every strategy
+same_padding             ``resnet.model._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
+biased_var               ``resnet.model.BatchNorm``: every strategy
 missing_1_over_n         ddp, async, zero1: ``sync.AllReduce.reduce_bucket`` (the bucketed all-reduce they
                          all compose); zero2: ``ZeRO.reduce_scatter``; zero3, hsdp: ``ZeRO.average_chunks``
                          (the division after the gathers' transposes reduce-scattered the grads);
@@ -455,9 +455,9 @@ STAGE3_CHUNKS = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _perturb
 
 BUGS: Dict[str, Bug] = {b.name: b for b in (
     Bug("same_padding", "'SAME' padding on the stride-2 convs",
-        _everywhere(Patch(["jaxdp.models.resnet:_Layers"], "conv", _same_padding_conv)), 0, "loss"),
+        _everywhere(Patch(["jaxdp.models.resnet.model:_Layers"], "conv", _same_padding_conv)), 0, "loss"),
     Bug("biased_var", "biased variance in BN running_var",
-        _everywhere(Patch(["jaxdp.models.resnet"], "BatchNorm", _biased_var_batchnorm)), 0, "buffers",
+        _everywhere(Patch(["jaxdp.models.resnet.model"], "BatchNorm", _biased_var_batchnorm)), 0, "buffers",
         "running_var"),
     Bug("missing_1_over_n", "gradient reduction without 1/N", {
         "ddp": ALLREDUCE_BUCKET, "async": ALLREDUCE_BUCKET, "zero1": ALLREDUCE_BUCKET,

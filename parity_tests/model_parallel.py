@@ -122,7 +122,7 @@ def injected(bug: Optional[str]):
         raise ValueError(f"unknown bug {bug!r}; choose one of {', '.join(BUGS)}")
     import jax
 
-    from jaxdp.models import resnet
+    from jaxdp.models.resnet import model as resnet
     from jaxdp.models.vit import layers as vit_layers
 
     def first_part_only(axis, op=jax.lax.dot_general):
