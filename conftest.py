@@ -6,6 +6,10 @@ here, before any test module imports jax.
 64-bit types: off, as in a user's float32 program, except in tests marked ``float64``
 (the exact comparisons). The parity runner and ``jaxdp train --dtype float64`` turn them
 on themselves; the setting is restored after every test, so none leaks into the next.
+
+Also here: the user's own settings for tests that run a command as a user would (``user_env``),
+one directory in which the session's xdist workers share torch parity runs, and the subprocess
+that runs a module's ``production_compiler`` tests with XLA's default emitters.
 """
 
 import json
