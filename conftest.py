@@ -57,6 +57,8 @@ os.environ.setdefault("JAXDP_TORCH_BACKEND", "gloo")
 
 import jax  # noqa: E402
 
+from parity_tests.torch_side import SHARED_CACHE_ENV  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _x64_only_where_marked(request):
@@ -71,8 +73,6 @@ def pytest_configure(config):
     """One directory for the session's torch parity runs (``parity_tests.torch_side``), made by the
     controlling process before its xdist workers start, so that they all inherit it: a torch run
     that two test modules need is launched once, by whichever worker asks first."""
-    from parity_tests.torch_side import SHARED_CACHE_ENV
-
     if hasattr(config, "workerinput") or SHARED_CACHE_ENV in os.environ:
         return
     import tempfile
@@ -82,8 +82,6 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    from parity_tests.torch_side import SHARED_CACHE_ENV
-
     directory = getattr(config, "_jaxdp_torch_cache", None)
     if directory is not None:
         import shutil
@@ -106,8 +104,6 @@ def user_env():
     flags or jaxdp settings, so the command compiles and runs as theirs does (their XLA
     optimises; the suite's level-0 build runs a 78-step ResNet-18 twice as slow). Its
     devices stay on the CPU, and its torch side on gloo, as the suite's do."""
-    from parity_tests.torch_side import SHARED_CACHE_ENV
-
     env = {k: v for k, v in os.environ.items() if k not in (_USER_SETTINGS, SHARED_CACHE_ENV, "PYTEST_XDIST_WORKER")}
     for name, value in json.loads(os.environ[_USER_SETTINGS]).items():
         env.pop(name, None)
