@@ -54,7 +54,7 @@ gpu-check:
 	else $(MAKE) install-gpu && py="$(BIN)/python"; fi; \
 	echo "gpu-check with $$py"; \
 	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
-		$$py -m parity_tests.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
+		$$py -m torch_commands.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
 
 # The <= 5 minute GPU bench (jaxdp bench --preset gpu --quick; report in runs/gpu-bench/). It uses
 # $(PYTHON) as it is when jax, torch and jaxdp import there (a stock GPU image after

@@ -45,7 +45,7 @@ for _flag in _TEST_FLAGS:
         _flags = f"{_flags} {_flag}".strip()
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# jaxdp's CPU default compile options (YNNPACK without convolutions, jaxdp.compile_options)
+# jaxdp's CPU default compile options (YNNPACK without convolutions, jaxdp.runtime.compile_options)
 # change f32 and f64 steps by an ulp; the tests compare strategies bit for bit with plain
 # jax.jit references, so they keep XLA's own kernels. test_compile_options checks the default.
 os.environ.setdefault("JAXDP_COMPILER_OPTIONS", "none")

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from jaxdp.mesh import simulate_cpu_devices
+from jaxdp.runtime.mesh import simulate_cpu_devices
 
 simulate_cpu_devices(2)  # before JAX starts
 

@@ -28,7 +28,7 @@ import numpy as np
 from jaxdp.data import augment, epoch_indices, make_synthetic, normalize
 from jaxdp.data.augment import PAD, augment_params
 from jaxdp.data.workers import CropWorkers
-from jaxdp.device_data import step_draws
+from jaxdp.run.device_data import step_draws
 
 
 def fancy_index_augment(images, ids, seed, epoch):

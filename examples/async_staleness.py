@@ -43,7 +43,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.2)
     args = p.parse_args(argv)
 
-    from jaxdp.mesh import simulate_cpu_devices
+    from jaxdp.runtime.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(4)  # before jax is imported
     import matplotlib
@@ -51,8 +51,8 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from jaxdp.config import TrainConfig
-    from jaxdp.train import train
+    from jaxdp.config.tree import TrainConfig
+    from jaxdp.run.train import train
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for k in (int(s) for s in args.staleness.split(",")):

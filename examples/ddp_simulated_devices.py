@@ -18,12 +18,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import jax  # noqa: E402
 
 from jaxdp.data import epoch_batches, load_dataset  # noqa: E402
-from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
 from jaxdp.optim import make_optimizer, make_schedule  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.task import classifier  # noqa: E402
-from jaxdp.train_setup import example_batch  # noqa: E402
+from jaxdp.api.task import classifier  # noqa: E402
+from jaxdp.run.setup import example_batch  # noqa: E402
 
 DEVICES, PER_DEVICE_BATCH, STEPS = 4, 16, 40
 

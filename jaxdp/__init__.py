@@ -1,6 +1,6 @@
 """jaxdp: data-parallel training strategies in JAX, numerically faithful to PyTorch.
 
-The public API (see ``jaxdp.trainer``)::
+The public API (see ``jaxdp.api.trainer``)::
 
     trainer = jaxdp.Trainer(model, loss_fn, optax.adamw(3e-4), jaxdp.ZeRO(stage=3), jaxdp.make_mesh(data=4))
 
@@ -11,9 +11,10 @@ optimizers know nothing about which strategy runs.
 __version__ = "0.2.0"
 
 # Lazy: `import jaxdp` must not import jax (the CLI sets XLA_FLAGS first).
-_EXPORTS = {"Trainer": "trainer", "StrategySpec": "trainer", "DDP": "trainer", "ZeRO": "trainer", "HSDP": "trainer",
-            "DataParallel": "trainer", "AsyncPS": "trainer", "classifier": "task", "make_mesh": "mesh",
-            "UsageError": "validate", "clip_by_global_norm": "reductions", "global_mean": "reductions"}
+_EXPORTS = {"Trainer": "api.trainer", "StrategySpec": "api.trainer", "DDP": "api.trainer", "ZeRO": "api.trainer",
+            "HSDP": "api.trainer", "DataParallel": "api.trainer", "AsyncPS": "api.trainer", "classifier": "api.task",
+            "make_mesh": "runtime.mesh", "UsageError": "api.validate", "clip_by_global_norm": "api.reductions",
+            "global_mean": "api.reductions"}
 
 
 def __getattr__(name):

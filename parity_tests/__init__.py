@@ -3,7 +3,7 @@
 The torch side of jaxdp, installed with the [torch] extra; jaxdp itself never imports it
 (``jaxdp parity`` and ``jaxdp bench`` reach it as entry points, ``jaxdp.commands``).
 
-- ``config``: ``ParityConfig`` (a step's options, ``jaxdp.step_config``, plus the run's size);
+- ``config``: ``ParityConfig`` (a step's options, ``jaxdp.config.step``, plus the run's size);
 - ``pairs``: the pair table (jaxdp strategy -> torch_ref twin), from each strategy's facts;
 - ``plan``: what one run will do, refused in one line where there is no twin;
 - ``inputs``, ``jax_side``, ``torch_side``: the shared weights and batches, K steps on each side;
@@ -12,9 +12,9 @@ The torch side of jaxdp, installed with the [torch] extra; jaxdp itself never im
   first divergence;
 - ``report``: terminal table, JSON, PNG;
 - ``bugs``: deliberately broken jaxdp variants that the harness must catch and name;
-- ``optim_state``: jaxdp's optimizer state in torch.optim's vocabulary;
-- ``bench``: ``jaxdp bench``, jaxdp vs torch_ref timed side by side;
-- ``gpu_check``: ``make gpu-check``, every pair on every GPU.
+- ``optim_state``: jaxdp's optimizer state in torch.optim's vocabulary.
+
+The user commands built on this harness (``jaxdp bench``, ``make gpu-check``) are ``torch_commands``.
 
 Nothing here imports jax or torch at import time (``--devices`` must come first).
 """

@@ -4,7 +4,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from jaxdp.cli import main as jaxdp_main
+    from jaxdp.cli.command import main as jaxdp_main
 
     return jaxdp_main(["parity", *(sys.argv[1:] if argv is None else argv)])
 

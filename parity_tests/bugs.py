@@ -71,7 +71,7 @@ shard_grad_perturbation  ddp, async, zero1: ``sync.AllReduce.__call__`` (rank 0'
                          chunk the gathers' transposes summed on device 0; HSDP: device (0, 0)'s, before
                          the replica all-reduce); dp: ``dp.local_grads`` (chunk 0's gradient, before the
                          gather to device 0)
-error_feedback_dropped   ``jaxdp.compression.PowerSGD._compress``: ddp and zero1 (the strategies that take
+error_feedback_dropped   ``jaxdp.strategies.compression.PowerSGD._compress``: ddp and zero1 (the strategies that take
                          ``--compress powersgd``)
 =======================  ==============================================================================
 
@@ -248,7 +248,7 @@ def _last_device_buffers(original):
 
 def _last_chunk_stats(original):
     """dp's ``local_grads`` handing on the last chunk's model state (BN stats; device 0 broadcasts them)."""
-    from jaxdp.mesh import DATA_AXIS
+    from jaxdp.runtime.mesh import DATA_AXIS
 
     def local_grads(*args, **kwargs):
         loss, grads, model_state, metrics = original(*args, **kwargs)
@@ -352,7 +352,7 @@ def _perturbed_chunk_before_division(original):
 
 def _perturbed_first_chunk_grads(original):
     """dp's ``local_grads`` with chunk 0's gradient of one tensor 1e-6 too large (before the gather to device 0)."""
-    from jaxdp.mesh import DATA_AXIS
+    from jaxdp.runtime.mesh import DATA_AXIS
 
     def local_grads(*args, **kwargs):
         loss, grads, model_state, metrics = original(*args, **kwargs)
@@ -483,7 +483,7 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _perturbed_first_chunk_grads),
     }, 0, "grads", SHARD_TENSOR, requires=_needs_the_shard_tensor),
     Bug("error_feedback_dropped", "PowerSGD's error feedback computed without the old error",
-        dict.fromkeys(("ddp", "zero1"), Patch(["jaxdp.compression:PowerSGD"], "_compress", _error_feedback_dropped)),
+        dict.fromkeys(("ddp", "zero1"), Patch(["jaxdp.strategies.compression:PowerSGD"], "_compress", _error_feedback_dropped)),
         lambda cfg: cfg.powersgd_start_iter + 1, "comm_state", "error", requires=_needs_two_compressed_steps),
 )}
 

@@ -11,8 +11,8 @@ import argparse
 import math
 import sys
 
-from jaxdp.commands import Command
-from jaxdp.flags import comma_floats, comma_ints
+from jaxdp.cli.commands import Command
+from jaxdp.config.flags import comma_floats, comma_ints
 from parity_tests import layouts, pairs, parity_mode, report, runner
 from parity_tests.config import ParityConfig, ParityError
 
@@ -21,8 +21,8 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
     """The ``jaxdp parity`` arguments (also ``python -m parity_tests``)."""
     d = ParityConfig()
     g = p.add_argument_group("pair")
-    from jaxdp import choices
-    from jaxdp.flags import add_mesh_flag, add_strategy_flags, add_vit_flags, deprecated_alias
+    from jaxdp.config import choices
+    from jaxdp.config.flags import add_mesh_flag, add_strategy_flags, add_vit_flags, deprecated_alias
 
     g.add_argument("--strategy", default=d.strategy, metavar=choices.listing(pairs.PAIRS), help="jaxdp strategy")
     g.add_argument("--devices", type=int, default=None,
@@ -82,7 +82,7 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ParityConfig:
     """The run's config; ``--mesh`` (checked against ``--devices``) sets the device count."""
-    from jaxdp.mesh import mesh_sizes
+    from jaxdp.runtime.mesh import mesh_sizes
 
     fields = ParityConfig.__dataclass_fields__
     given = {k: v for k, v in vars(args).items() if k in fields and not (k == "devices" and v is None)}
@@ -92,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> ParityConfig:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from jaxdp.mesh import MeshError, parse_mesh, simulate_cpu_devices
+    from jaxdp.runtime.mesh import MeshError, parse_mesh, simulate_cpu_devices
     from jaxdp.strategies import StrategyError
 
     try:

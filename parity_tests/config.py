@@ -1,4 +1,4 @@
-"""A parity run's configuration: one step's options (``jaxdp.step_config``, the names
+"""A parity run's configuration: one step's options (``jaxdp.config.step``, the names
 ``jaxdp train`` and torch_ref use) plus the run's size and the harness's own.
 
 The defaults are a tiny float64 ResNet for a few steps on 2 devices: tight bounds in seconds.
@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from jaxdp.step_config import ModelOptions, OptimizerOptions, StrategyOptions
+from jaxdp.config.step import ModelOptions, OptimizerOptions, StrategyOptions
 
 
 class ParityError(ValueError):

@@ -32,11 +32,11 @@ def jax_strategy(p: Plan, variables=None):
     """The jaxdp strategy for the plan (model, classifier task, optimizer, mesh), ``return_grads=True``.
     zero3/hsdp shard per FSDP unit, the model's own (``fsdp_units``: residual or encoder blocks), as
     torch_ref's FSDP2 twin ``fully_shard``s every block and then the root."""
-    from jaxdp.mesh import make_mesh
+    from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model, fsdp_units
     from jaxdp.optim import make_optimizer, make_schedule
     from jaxdp.strategies import create_strategy, options_of
-    from jaxdp.task import classifier
+    from jaxdp.api.task import classifier
 
     cfg = p.cfg
     model = create_model(cfg.model, num_classes=cfg.num_classes, dtype=cfg.dtype, **cfg.model_options())

@@ -147,9 +147,9 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
     import jax
 
     from jaxdp.interop import tree_to_torch_names
-    from jaxdp.mesh import make_mesh
+    from jaxdp.runtime.mesh import make_mesh
     from jaxdp.strategies import create_strategy
-    from jaxdp.task import classifier
+    from jaxdp.api.task import classifier
 
     axes = mesh_axes or {"data": cfg.data, "model": cfg.model}
     name = cfg.strategy if axes != {"data": 1} else "ddp"

@@ -3,7 +3,7 @@
 ``pair_for`` builds each row from the strategy's registry row (``jaxdp.registry``: its torch twin)
 and facts (``jaxdp.strategies.facts``); a registered strategy with a torch twin is paired (if it
 has options of its own, their names go to ``PAIR_OPTIONS``, which
-``jaxdp.step_config.StrategyOptions`` declares).
+``jaxdp.config.step.StrategyOptions`` declares).
 
 ==========================  ==============================================  ======  =================================
 jaxdp                       torch_ref (PyTorch)                             ranks   notes

@@ -24,7 +24,7 @@ both sides take cuDNN's heuristic, deterministic choice:
   in torch altogether: its own CUDA convolutions, a slow reference for the engine question.
 
 Only ``jaxdp parity`` (``parity_tests.command``) and ``make gpu-check``
-(``parity_tests.gpu_check``) enable it; ``jaxdp train`` and ``jaxdp bench`` keep XLA's
+(``torch_commands.gpu_check``) enable it; ``jaxdp train`` and ``jaxdp bench`` keep XLA's
 autotuner and torch's defaults. On CPU none of it changes a number.
 
 Jax- and torch-free at import.

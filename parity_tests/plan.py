@@ -118,7 +118,7 @@ def _checked_pair(cfg: ParityConfig) -> Pair:
 
 
 def _torch_config(cfg: ParityConfig, pair: Pair, torch_strategy: str, full_batch: bool) -> Dict[str, Any]:
-    """torch_ref's step config (``jaxdp.step_config.StepConfig``, as a dict) for ``cfg``: the same
+    """torch_ref's step config (``jaxdp.config.step.StepConfig``, as a dict) for ``cfg``: the same
     names, the pair's options that the twin has a knob for, and the schedule over the run."""
     tcfg: Dict[str, Any] = dict(
         strategy=torch_strategy, model=cfg.model, **cfg.model_options(),

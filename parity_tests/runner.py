@@ -49,7 +49,7 @@ every torch rank, else gloo), ``nccl`` (an error without one GPU per rank) or ``
 XLA's autotuner; set by ``jaxdp parity`` before JAX starts). The report states both
 sides' devices, the backend, the TF32 and cuDNN flags each torch rank ran with, and whether
 XLA started with parity mode's flags. ``make gpu-check``
-(``parity_tests.gpu_check``) runs the whole set on every visible GPU.
+(``torch_commands.gpu_check``) runs the whole set on every visible GPU.
 
 Nothing here imports jax or torch at module level: ``jaxdp parity --devices N`` must set
 XLA's simulated-device flag first.
@@ -162,7 +162,7 @@ def _note_parity_mode(p: Plan) -> None:
     if jax.default_backend() == "gpu" and not parity_mode.xla_flags_in_effect():
         p.notes.append("parity mode's XLA flags were NOT in effect (jax's backend started before "
                        f"parity_tests.parity_mode.enable): set XLA_FLAGS='{' '.join(parity_mode.XLA_FLAGS)}' "
-                       "before jax starts, or run jaxdp parity / python -m parity_tests.gpu_check")
+                       "before jax starts, or run jaxdp parity / python -m torch_commands.gpu_check")
 
 
 def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,

@@ -214,7 +214,7 @@ def test_bugs_are_undone():
 
 def test_an_injected_bug_that_goes_unnoticed_fails_the_command(monkeypatch, capsys, tmp_path):
     """The harness's own failure: a bug was injected and both sides still agree."""
-    from jaxdp.cli import main
+    from jaxdp.cli.command import main
     from parity_tests.test_parity import _fake_result, _record
 
     missed = _fake_result([_record(), _record()], [_record(), _record()])

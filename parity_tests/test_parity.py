@@ -102,7 +102,7 @@ def _cuda_gpus() -> int:
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_gpu_parity_every_strategy_on_every_gpu(dtype, tmp_path):
     """ddp, zero1, zero2, zero3, hsdp and dp against their torch twins at N = every visible
-    GPU (>= 2): ``parity_tests.gpu_check`` (what ``make gpu-check`` runs) in a subprocess,
+    GPU (>= 2): ``torch_commands.gpu_check`` (what ``make gpu-check`` runs) in a subprocess,
     because this process's JAX is pinned to the CPU by the root conftest. There JAX computes
     on the GPUs at the highest matmul precision and torch on nccl, rank r on cuda:r, TF32
     off in every rank; each pair must pass and say so."""
@@ -117,7 +117,7 @@ def test_gpu_parity_every_strategy_on_every_gpu(dtype, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAXDP_TORCH_BACKEND")}
     out = tmp_path / "gpu-check"
-    proc = subprocess.run([sys.executable, "-m", "parity_tests.gpu_check", "--dtypes", dtype, "--backend", "nccl",
+    proc = subprocess.run([sys.executable, "-m", "torch_commands.gpu_check", "--dtypes", dtype, "--backend", "nccl",
                            "--no-bench", "--no-png", "--out", str(out)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode == 2 and "does not compute it" in proc.stderr:
@@ -276,7 +276,7 @@ def test_a_gradient_that_is_not_a_wire_value_is_a_divergence():
 def test_table_json_png_and_exit_status(tmp_path, monkeypatch, capsys):
     import json
 
-    from jaxdp.cli import main
+    from jaxdp.cli.command import main
     from parity_tests import runner
 
     bad = _fake_result([_record(), _record(scale=1.5)], [_record(), _record()])
@@ -295,7 +295,7 @@ def test_table_json_png_and_exit_status(tmp_path, monkeypatch, capsys):
 
 
 def test_unknown_options_exit_2_with_one_line(capsys):
-    from jaxdp.cli import main
+    from jaxdp.cli.command import main
 
     assert main(["parity", "--strategy", "zero3", "--compress", "bf16"]) == 2
     err = capsys.readouterr().err

@@ -11,10 +11,10 @@ def tiny_strategy(name: str, devices: int):
     """A strategy on ``devices`` devices; the feeds use only its mesh and batch layout."""
     import optax
 
-    from jaxdp.mesh import make_mesh
+    from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model
     from jaxdp.strategies import create_strategy
-    from jaxdp.task import classifier
+    from jaxdp.api.task import classifier
 
     model = create_model("resnet18", width=4, blocks=(1, 1, 1, 1), dtype="float32")
     return create_strategy(name, model, classifier(model), optax.sgd(0.1), make_mesh(devices))
@@ -54,12 +54,12 @@ def main() -> None:
     """In each process of a 2-process x 2-device job: both feeds equal numpy on this process's rows."""
     import jax
 
-    from jaxdp.distributed import join_job
+    from jaxdp.runtime.distributed import join_job
 
     join_job(60, 60)
     from jaxdp.data import make_synthetic
-    from jaxdp.feed import DeviceFeed, HostFeed
-    from jaxdp.mesh import process_ranks
+    from jaxdp.run.feed import DeviceFeed, HostFeed
+    from jaxdp.runtime.mesh import process_ranks
 
     strategy = tiny_strategy("ddp", jax.device_count())
     ranks = process_ranks(strategy.mesh, strategy.batch_axes)

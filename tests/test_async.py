@@ -11,12 +11,12 @@ import pytest  # noqa: E402
 from helpers import as_batch, max_rel_error, random_batch, run_steps  # noqa: E402
 from helpers import TinyBNNet, numpy_init as init  # noqa: E402
 
-from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import StrategyError, create_strategy  # noqa: E402
 from jaxdp.strategies.async_ps import AsyncPS  # noqa: E402
 from jaxdp.strategies.ddp import DDP  # noqa: E402
-from jaxdp.task import classifier, cross_entropy  # noqa: E402
+from jaxdp.api.task import classifier, cross_entropy  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from jaxdp.cli import main
+from jaxdp.cli.command import main
 
 
 def test_bench_smoke(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_bench_smoke(tmp_path, capsys):
 
 
 def test_bench_gpu_preset_dry_run_lists_its_rows(capsys):
-    from parity_tests.bench.gpu_preset import ASSUMED_GPUS, visible_gpus
+    from torch_commands.bench.gpu_preset import ASSUMED_GPUS, visible_gpus
 
     assert main(["bench", "--preset", "gpu", "--dry-run", "--strategies", "ddp,zero3"]) == 0
     out = capsys.readouterr().out
@@ -57,7 +57,7 @@ def test_bench_gpu_preset_dry_run_lists_its_rows(capsys):
 
 
 def test_bench_gpu_preset_refuses_without_a_gpu_in_one_line(capsys):
-    from parity_tests.bench.gpu_preset import visible_gpus
+    from torch_commands.bench.gpu_preset import visible_gpus
 
     if visible_gpus():
         pytest.skip("a GPU is visible: the preset would run")
@@ -68,7 +68,7 @@ def test_bench_gpu_preset_refuses_without_a_gpu_in_one_line(capsys):
 
 
 def test_scaling_efficiency_is_against_n1_at_the_same_batch_per_device():
-    from parity_tests.bench.gpu_preset import scaling_efficiency
+    from torch_commands.bench.gpu_preset import scaling_efficiency
 
     rows = [{"strategy": "ddp", "n": 1, "global_batch": 256, "jaxdp": {"images_per_s": 100.0}},
             {"strategy": "ddp", "n": 4, "global_batch": 1024, "jaxdp": {"images_per_s": 360.0},
@@ -97,7 +97,7 @@ def test_bench_mesh_layout_row_has_traffic_per_axis(tmp_path):
 
 def test_a_stage_row_shows_its_measured_bubble_beside_gpipes():
     """The PPxDP row's bubble: 1 - t(data=4) / t(data=2,stage=2), beside (S-1)/(M+S-1)."""
-    from parity_tests.bench.layouts import add_measured_bubbles, layout_line
+    from torch_commands.bench.layouts import add_measured_bubbles, layout_line
 
     def row(mesh, step_s, bubble=None):
         axes = {"traffic": {}, "traffic_formula": {}, "state": {}}

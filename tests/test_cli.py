@@ -10,8 +10,8 @@ import tomllib
 import pytest
 
 import jaxdp
-from jaxdp import choices
-from jaxdp.cli import build_parser, main
+from jaxdp.config import choices
+from jaxdp.cli.command import build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,11 +22,11 @@ def run_cli(*args, timeout=120):
 
 
 def test_choices_are_the_libraries_own_lists():
-    """The parser's jax-free lists (jaxdp.choices) name exactly what the library accepts."""
+    """The parser's jax-free lists (jaxdp.config.choices) name exactly what the library accepts."""
     import jaxdp.models
     import jaxdp.strategies
-    from jaxdp.collectives import ALL_REDUCES
-    from jaxdp.compression import COMPRESSORS
+    from jaxdp.strategies.collectives import ALL_REDUCES
+    from jaxdp.strategies.compression import COMPRESSORS
     from jaxdp.data.datasets import DATASETS
     from jaxdp.optim import OPTIMIZERS, SCHEDULES
 
@@ -113,7 +113,7 @@ def test_launch_blames_the_real_failure_when_a_peers_abort_is_reaped_first():
     import queue
     import signal
 
-    from jaxdp import launch
+    from jaxdp.cli import launch
 
     exits = queue.Queue()
     exits.put((1, -signal.SIGKILL))  # reaped a moment after process 0's collateral abort
@@ -147,7 +147,7 @@ def test_parity_report_without_matplotlib_writes_the_json_and_says_so(tmp_path, 
 
 def train_config(argv):
     """The TrainConfig that ``jaxdp train`` would run for ``argv`` (nothing trained)."""
-    from jaxdp.cli import config_from_args, with_file_options
+    from jaxdp.cli.command import config_from_args, with_file_options
 
     parser = build_parser()
     return config_from_args(with_file_options(parser, argv, parser.parse_args(argv)))
@@ -167,7 +167,7 @@ def test_a_config_file_sets_options_and_flags_override_it(tmp_path, ext):
 
 
 def test_a_run_directory_is_resumed_with_its_own_options(tmp_path):
-    from jaxdp.config import TrainConfig
+    from jaxdp.config.tree import TrainConfig
 
     run = tmp_path / "r18"
     run.mkdir()

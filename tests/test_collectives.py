@@ -11,8 +11,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxdp.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: E402
-from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.strategies.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: E402
+from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
@@ -89,7 +89,7 @@ def test_ddp_ring_equals_per_shard_reference():
     from helpers import TinyConvNet, init, max_rel_error, random_batch
 
     from jaxdp.strategies import create_strategy
-    from jaxdp.task import classifier, cross_entropy
+    from jaxdp.api.task import classifier, cross_entropy
 
     model, n = TinyConvNet(), 4
     variables = init(model)  # params only: a BN-free model's model_state is {}

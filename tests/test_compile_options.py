@@ -1,11 +1,11 @@
-"""The step's XLA compile options (jaxdp.compile_options): defaults per platform, overrides, and that they reach XLA."""
+"""The step's XLA compile options (jaxdp.runtime.compile_options): defaults per platform, overrides, and that they reach XLA."""
 
 import numpy as np
 import pytest
 
 from jaxdp.analysis.measure import build_strategy
-from jaxdp.compile_options import DEFAULTS, YNN_DOTS_AND_REDUCES, parse, resolve
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.compile_options import DEFAULTS, YNN_DOTS_AND_REDUCES, parse, resolve
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import create_model
 from jaxdp.strategies import StrategyError
 

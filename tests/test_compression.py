@@ -18,11 +18,11 @@ import pytest  # noqa: E402
 from helpers import TinyConvNet, max_rel_error, numpy_init as init, random_batch  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxdp.collectives import ring_all_reduce  # noqa: E402
-from jaxdp.compression import PowerSGD, low_precision_reduce  # noqa: E402
-from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.strategies.collectives import ring_all_reduce  # noqa: E402
+from jaxdp.strategies.compression import PowerSGD, low_precision_reduce  # noqa: E402
+from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.task import classifier, cross_entropy  # noqa: E402
+from jaxdp.api.task import classifier, cross_entropy  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
@@ -224,7 +224,7 @@ def test_powersgd_resumes_on_another_device_count_from_the_mean_error(tmp_path, 
     compression.py's docstring), and the next three steps are the uninterrupted 4-device
     run's: params, optimizer state, Q and mean error within 1e-12 (float64). Resumed with
     zero errors instead, the run is another one: the saved errors carry real state."""
-    from jaxdp.checkpoint import Checkpointer
+    from jaxdp.run.checkpoint import Checkpointer
 
     model, start = TinyConvNet(), 2
     variables = {"params": init(model)["params"]}  # model_state {}, as abstract_state's model.init has it

@@ -1,14 +1,14 @@
 """jaxdp train's flags, config-file keys and resume fingerprint all come from one tree of
-fields (``jaxdp.config``): one declaration per option, nothing listed a second time."""
+fields (``jaxdp.config.tree``): one declaration per option, nothing listed a second time."""
 
 import dataclasses
 
 import pytest
 
-from jaxdp import config_file
-from jaxdp.cli import build_parser
-from jaxdp.config import SECTIONS, TrainConfig
-from jaxdp.options import declared, number_fields
+from jaxdp.config import files as config_file
+from jaxdp.cli.command import build_parser
+from jaxdp.config.tree import SECTIONS, TrainConfig
+from jaxdp.config.fields import declared, number_fields
 
 FIELDS = dataclasses.fields(TrainConfig)
 
@@ -47,7 +47,7 @@ def test_a_field_enters_the_fingerprint_as_it_is_declared(name, value, changes):
 
 def test_a_flag_sets_its_field(tmp_path):
     """Parsed through the generated parser and the generated config-file loader alike."""
-    from jaxdp.cli import config_from_args
+    from jaxdp.cli.command import config_from_args
 
     args = train_parser().parse_args(["--remat", "none", "--blocks", "1,2,1,1", "--no-progress", "--sync-bn",
                                       "--batch-size", "64", "--profile-steps", "2:4"])
@@ -60,18 +60,18 @@ def test_a_flag_sets_its_field(tmp_path):
 
 
 def test_the_parser_starts_no_jax_so_devices_can_still_be_set():
-    """jaxdp.startup sets XLA's device flags after parsing: everything the parser needs is jax-free."""
+    """jaxdp.runtime.startup sets XLA's device flags after parsing: everything the parser needs is jax-free."""
     import subprocess
     import sys
 
-    code = ("import sys; from jaxdp.cli import build_parser; build_parser().parse_args(['train', '--devices', '3']); "
+    code = ("import sys; from jaxdp.cli.command import build_parser; build_parser().parse_args(['train', '--devices', '3']); "
             "assert 'jax' not in sys.modules, 'jax imported before the device flags are set'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
 
 def test_startup_asks_each_process_for_its_share_of_the_devices(monkeypatch):
-    from jaxdp import startup
+    from jaxdp.runtime import startup
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
     startup.configure(8, processes=2)
@@ -83,7 +83,7 @@ def test_startup_asks_each_process_for_its_share_of_the_devices(monkeypatch):
 
 
 def test_every_declared_bound_is_checked_in_one_line():
-    from jaxdp.config import TrainError, check_config
+    from jaxdp.config.tree import TrainError, check_config
 
     bounded = {f.name: f.metadata["at_least"] for f in FIELDS if f.metadata["at_least"] is not None}
     assert {"global_batch_size", "accum_steps", "devices", "epochs", "keep", "max_steps"} <= set(bounded)

@@ -8,10 +8,10 @@ import optax
 import pytest
 from helpers import TinyConvNet, as_batch, collectives_in_loops, init, max_rel_error, random_batch, run_steps, tiny_resnet
 
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.optim import make_optimizer
 from jaxdp.strategies import create_strategy
-from jaxdp.task import classifier, cross_entropy
+from jaxdp.api.task import classifier, cross_entropy
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 

@@ -1,4 +1,4 @@
-"""The training set on the devices (``jaxdp.device_data``, ``jaxdp.feed``) and the host
+"""The training set on the devices (``jaxdp.run.device_data``, ``jaxdp.run.feed``) and the host
 pipeline's worker processes (``jaxdp.data.workers``) hand the step the numpy pipeline's
 batches bit for bit: at 1, 2 and 3 devices, in ``dp``'s per-device layout, resumed
 mid-epoch, across two processes, and through ``jaxdp train``."""
@@ -15,11 +15,11 @@ import pytest
 
 from device_data_job import assert_feed_equals_numpy, tiny_strategy
 from launch_helpers import alive, job_env, run_job
-from jaxdp.config import TrainConfig
+from jaxdp.config.tree import TrainConfig
 from jaxdp.data import ArrayDataset, augment, epoch_indices, make_synthetic
-from jaxdp.device_data import DEVICE_SHARE, DeviceDataset, choose, dataset_bytes, step_draws
-from jaxdp.feed import DeviceFeed, HostFeed
-from jaxdp.train import train
+from jaxdp.run.device_data import DEVICE_SHARE, DeviceDataset, choose, dataset_bytes, step_draws
+from jaxdp.run.feed import DeviceFeed, HostFeed
+from jaxdp.run.train import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -159,7 +159,7 @@ def test_workers_of_a_killed_trainer_leave_and_delete_the_shared_file(tmp_path):
     (["--data-workers", "-1"], "--data-workers must be >= 0 (0 = a background thread), got -1"),
 ])
 def test_bad_data_flags_are_one_clear_line(tmp_path, capsys, args, message):
-    from jaxdp.cli import main
+    from jaxdp.cli.command import main
 
     assert main(["train", "--out", str(tmp_path / "run"), *args]) == 2
     assert capsys.readouterr().err == f"jaxdp: error: {message}\n"

@@ -5,9 +5,9 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-from jaxdp.config import TrainConfig  # noqa: E402
+from jaxdp.config.tree import TrainConfig  # noqa: E402
 from jaxdp.data import epoch_batches, load_dataset  # noqa: E402
-from jaxdp.train import train  # noqa: E402
+from jaxdp.run.train import train  # noqa: E402
 
 
 def test_digits_are_the_real_set_split_the_same_way_every_time():

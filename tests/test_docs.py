@@ -158,15 +158,15 @@ def check_choices(parser, namespace):
 
 def check_training(parser, namespace):
     """What ``jaxdp train`` and ``torch_ref.train`` refuse before they load any data."""
-    from jaxdp.cli import config_from_args
-    from jaxdp.config import check_config
+    from jaxdp.cli.command import config_from_args
+    from jaxdp.config.tree import check_config
 
     check_choices(parser, namespace)
     check_config(config_from_args(namespace))
 
 
 def check_jaxdp(args):
-    from jaxdp.cli import build_parser
+    from jaxdp.cli.command import build_parser
 
     parser = build_parser()
     namespace = parse(parser, args)
@@ -202,10 +202,10 @@ def check_parity(namespace):
 def check_module(module, args):
     if module == "parity_tests":
         check_jaxdp(["parity", *args])
-    elif module == "parity_tests.gpu_check":
+    elif module == "torch_commands.gpu_check":
         import argparse
 
-        from parity_tests.gpu_check import add_args
+        from torch_commands.gpu_check import add_args
 
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_args(parser)
@@ -236,7 +236,7 @@ def check_make(args):
 
 def problems(doc, text):
     """One line per refused command: where it is, what it is, why."""
-    from jaxdp.config import TrainError
+    from jaxdp.config.tree import TrainError
     from parity_tests.config import ParityError
 
     found = []
@@ -262,7 +262,7 @@ def test_the_docs_show_commands_of_every_kind():
     programs = {os.path.basename(argv[0]) for doc in DOCS for _, argv in shell_commands(read(doc))}
     assert {"jaxdp", "make", "torchrun", "srun"} <= programs, programs
     modules = {argv[argv.index("-m") + 1] for doc in DOCS for _, argv in shell_commands(read(doc)) if "-m" in argv}
-    assert {"torch_ref.train", "parity_tests.gpu_check"} <= modules, modules
+    assert {"torch_ref.train", "torch_commands.gpu_check"} <= modules, modules
 
 
 BAD = """
@@ -274,7 +274,7 @@ jaxdp launch --nprocs 2 -- .venv/bin/jaxdp train --width 4 \\
 srun .venv/bin/jaxdp train --schedule multistep
 make trian
 .venv/bin/torchrun --nproc_per_node 2 -m torch_ref.train --optimizer lamb
-.venv/bin/python -m parity_tests.gpu_check --dry_run
+.venv/bin/python -m torch_commands.gpu_check --dry_run
 jaxdp parity --strategy zero2 --inject-bug missing_one_over_n
 python examples/no_such_example.py
 jaxdp train --epoch 2   # fails: shown on purpose

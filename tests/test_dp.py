@@ -14,10 +14,10 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 from helpers import TinyBNNet, TinyConvNet, as_batch, max_rel_error, numpy_init as init, random_batch  # noqa: E402
 
-from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.task import classifier  # noqa: E402
+from jaxdp.api.task import classifier  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import torch
 
-from jaxdp.cli import main
-from jaxdp.config import TrainConfig
+from jaxdp.cli.command import main
+from jaxdp.config.tree import TrainConfig
 from jaxdp.models import create_model
-from jaxdp.train import train
+from jaxdp.run.train import train
 from torch_ref.models import create_model as torch_model
 
 TINY = dict(width=4, blocks=(1, 1, 1, 1), synthetic_size=(64, 32), global_batch_size=16, devices=2, epochs=1,

@@ -13,13 +13,13 @@ import warnings
 import numpy as np
 import pytest
 
-from jaxdp.checkpoint import MANIFEST, Checkpointer, CheckpointCorrupt, CheckpointWarning
-from jaxdp.config import TrainConfig
+from jaxdp.run.checkpoint import MANIFEST, Checkpointer, CheckpointCorrupt, CheckpointWarning
+from jaxdp.config.tree import TrainConfig
 from jaxdp.data.loader import epoch_batches, steps_per_epoch
 from jaxdp.data.datasets import ArrayDataset
 from jaxdp.data.sampler import epoch_permutation, partition
 from jaxdp.strategies import REGISTRY
-from jaxdp.train import train
+from jaxdp.run.train import train
 from launch_helpers import Job, alive, epoch_ids, jaxdp, job_env, records, run_job, sample_records, shared_2x2_cache
 
 # The same model, dtype and batch as test_multihost's 2x2 jobs, so they share compiled code.

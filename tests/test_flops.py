@@ -1,11 +1,11 @@
-"""jaxdp.flops: the model FLOPs that MFU divides, against hand formulas (ResNet: the conv
+"""jaxdp.run.flops: the model FLOPs that MFU divides, against hand formulas (ResNet: the conv
 and dense MACs layer by layer; ViT: the standard transformer count, MaxText's
 ``calculate_tflops_training_per_device`` with non-causal attention) and the 3.33 GFLOP per
 trained image every ResNet-18 CIFAR MFU quotes. Abstract traces only: no compile."""
 
 import pytest
 
-from jaxdp.flops import mfu, model_flops_per_image
+from jaxdp.run.flops import mfu, model_flops_per_image
 
 
 def resnet_cifar_flops(width: int, blocks=(2, 2, 2, 2), image: int = 32, classes: int = 10) -> float:
@@ -60,13 +60,13 @@ def test_mfu_is_model_flops_per_second_over_every_devices_peak():
 
 
 def test_one_peak_table_for_train_and_bench():
-    from jaxdp.perf import peak_flops
+    from jaxdp.run.perf import peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
     assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
     assert peak_flops("NVIDIA GH200 480GB", "bfloat16") == 989e12
     assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12 and peak_flops("NVIDIA L4", "bfloat16") == 121e12
     assert peak_flops("NVIDIA H100", "float32") is None and peak_flops("cpu", "bfloat16") is None
-    import parity_tests.bench.runner as runner
+    import torch_commands.bench.runner as runner
 
     assert runner.peak_flops is peak_flops and not hasattr(runner, "PEAK_TFLOPS")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jaxdp.cli import main
-from parity_tests.bench import gpu_preset
+from jaxdp.cli.command import main
+from torch_commands.bench import gpu_preset
 
 
 def test_quick_dry_run_prints_the_plan_with_a_faked_gpu(monkeypatch, capsys):
@@ -31,7 +31,7 @@ def test_quick_refuses_without_a_gpu_in_one_line(monkeypatch, capsys):
 
 
 def test_the_train_run_is_a_command_train_accepts(tmp_path):
-    from jaxdp.cli import build_parser, config_from_args
+    from jaxdp.cli.command import build_parser, config_from_args
 
     cfg = config_from_args(build_parser().parse_args(gpu_preset.train_argv(str(tmp_path))))
     assert (cfg.global_batch_size, cfg.max_steps, cfg.dtype, cfg.width, cfg.devices) == (512, 60, "bfloat16", 64, 1)
@@ -57,8 +57,8 @@ def test_the_shipped_gpu_recipe_is_goyals_linear_scaling_with_warmup():
     batch / 256 and a linear warmup over 2 epochs of CIFAR-10's 50,000 images at that batch."""
     import os
 
-    from jaxdp.cli import build_parser, config_from_args, with_file_options
-    from jaxdp.config import check_config
+    from jaxdp.cli.command import build_parser, config_from_args, with_file_options
+    from jaxdp.config.tree import check_config
     from jaxdp.data.loader import steps_per_epoch
 
     path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "resnet18-cifar10-gpu.toml")
@@ -74,7 +74,7 @@ def test_the_shipped_gpu_recipe_is_goyals_linear_scaling_with_warmup():
 def test_the_quick_bench_config_is_the_presets_with_the_command_lines_say():
     import argparse
 
-    from parity_tests.bench.command import add_bench_args
+    from torch_commands.bench.command import add_bench_args
 
     p = argparse.ArgumentParser()
     add_bench_args(p)

@@ -173,7 +173,7 @@ def test_torch_ref_train_backend_flag(gpus, capsys):
 
 
 def test_parity_backend_flag_reaches_the_torch_launch(gpus, monkeypatch, capsys):
-    from jaxdp.cli import main
+    from jaxdp.cli.command import main
     from parity_tests import runner
     from parity_tests.config import ParityConfig, ParityError
     from parity_tests.plan import plan
@@ -220,8 +220,8 @@ def test_parity_backend_flag_reaches_the_torch_launch(gpus, monkeypatch, capsys)
 # ----------------------------------------------------------------------------- gpu_check
 
 def test_gpu_check_dry_run_on_two_gpus_writes_the_plan(gpus, tmp_path, capsys):
-    from parity_tests import gpu_check
-    from parity_tests.gpu_check import REALISTIC, STRATEGIES, main, parity_config
+    from torch_commands import gpu_check
+    from torch_commands.gpu_check import REALISTIC, STRATEGIES, main, parity_config
 
     gpus(0)
     assert main(["--out", str(tmp_path / "refused")]) == 2  # no GPU: refused, one line
@@ -282,7 +282,7 @@ def test_gpu_check_dry_run_on_two_gpus_writes_the_plan(gpus, tmp_path, capsys):
 def test_gpu_check_dry_run_on_one_gpu_plans_n1_gpu_pairs_and_simulated_n2_n3(gpus, tmp_path, capsys):
     """A one-GPU host: every strategy at N = 1 on the GPU at realistic sizes (within the 6-minute
     budget), then, labelled, N = 2 and 3 on simulated CPU devices with torch on gloo."""
-    from parity_tests.gpu_check import REALISTIC, STRATEGIES, main, parity_config
+    from torch_commands.gpu_check import REALISTIC, STRATEGIES, main, parity_config
 
     gpus(1)
     out = tmp_path / "plan"
@@ -320,7 +320,7 @@ def test_gpu_check_dry_run_on_one_gpu_plans_n1_gpu_pairs_and_simulated_n2_n3(gpu
 
 def test_gpu_check_simulate_runs_a_pair_on_gloo(tmp_path):
     """The check itself, end to end on 2 simulated devices and 2 gloo ranks (one pair, one step)."""
-    from parity_tests.gpu_check import main
+    from torch_commands.gpu_check import main
 
     out = tmp_path / "sim"
     assert main(["--simulate", "2", "--strategies", "ddp", "--dtypes", "float64", "--steps", "1",
@@ -362,7 +362,7 @@ def test_gpu_check_simulated_part_is_read_from_the_child_and_stopped_by_the_budg
     within the budget are SKIPPED (named, not failed), and the check's status follows the rest."""
     import subprocess
 
-    from parity_tests import gpu_check
+    from torch_commands import gpu_check
 
     gpus(1)
     plan = gpu_check.make_plan("gpu", 1, "nccl", ["float64"], ["ddp", "zero3"], str(tmp_path), realistic=False)
@@ -380,7 +380,7 @@ def test_gpu_check_simulated_part_is_read_from_the_child_and_stopped_by_the_budg
 
     monkeypatch.setattr(subprocess, "run", child)
     gpu_check.run_simulated(plan, log=lambda *_: None, timeout_s=90.0)
-    assert seen["argv"][:4] == ["-m", "parity_tests.gpu_check", "--simulate", "2,3"]
+    assert seen["argv"][:4] == ["-m", "torch_commands.gpu_check", "--simulate", "2,3"]
     assert seen["env"] == {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""} and seen["timeout"] == 90.0
     assert [p.status for p in sims] == ["PASS", "SKIPPED", "SKIPPED", "SKIPPED"]
     assert sims[1].message.startswith("time budget: the simulated part was stopped after 90 s")

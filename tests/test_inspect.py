@@ -11,14 +11,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxdp.cli import main  # noqa: E402
+from jaxdp.cli.command import main  # noqa: E402
 from jaxdp.analysis import (formula_bytes, fsdp_options, inspect_strategy, measure, padded_count,  # noqa: E402
                            param_count, parse_collectives, replica_groups)
-from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.task import classifier  # noqa: E402
+from jaxdp.api.task import classifier  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from jaxdp.mesh import MeshError, check_model_within_hosts, host_ordered, mesh_sizes
+from jaxdp.runtime.mesh import MeshError, check_model_within_hosts, host_ordered, mesh_sizes
 
 
 @dataclass(frozen=True)

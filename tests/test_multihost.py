@@ -17,12 +17,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxdp.config import TrainConfig
-from jaxdp.launch import LaunchError, child_env, plan
-from jaxdp.distributed import INIT_TIMEOUT_EXIT_CODE, distributed_env, first_host
-from jaxdp.mesh import MeshError
+from jaxdp.config.tree import TrainConfig
+from jaxdp.cli.launch import LaunchError, child_env, plan
+from jaxdp.runtime.distributed import INIT_TIMEOUT_EXIT_CODE, distributed_env, first_host
+from jaxdp.runtime.mesh import MeshError
 from jaxdp.strategies import REGISTRY
-from jaxdp.train import train
+from jaxdp.run.train import train
 from launch_helpers import (TINY_ARGS, Job, alive, jaxdp, job_env, records, run_job, sample_records,
                             shared_2x2_cache)
 
@@ -124,7 +124,7 @@ def test_multi_node_plan_and_slurm_variables(monkeypatch):
 # ----------------------------------------------------------------------------- real jobs
 
 def test_a_process_that_never_joins_is_a_clear_error_after_the_timeout(tmp_path):
-    from jaxdp.launch import free_port
+    from jaxdp.cli.launch import free_port
 
     env = job_env(JAXDP_COORDINATOR=f"localhost:{free_port()}", JAXDP_NUM_PROCESSES="2", JAXDP_PROCESS_ID="0")
     t0 = time.monotonic()

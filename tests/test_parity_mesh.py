@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxdp.cli import main
+from jaxdp.cli.command import main
 from parity_tests import model_parallel as mp
 from parity_tests import pipeline_parallel as pp
 

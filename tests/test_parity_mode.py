@@ -79,9 +79,9 @@ def test_torch_rank_setup_sets_exactly_the_parity_switches():
 def test_only_parity_enables_parity_mode(clean_env, monkeypatch):
     """jaxdp parity sets the flags before its run; jaxdp train and jaxdp bench leave XLA's autotuner
     and cuDNN's defaults alone."""
-    from jaxdp import cli
+    from jaxdp.cli import command as cli
     from parity_tests import runner
-    from parity_tests.bench import command as bench_command
+    from torch_commands.bench import command as bench_command
 
     seen = {}
 

@@ -18,12 +18,12 @@ import optax
 import pytest
 
 from helpers import canonical_history, max_rel_error, resumed_on, tiny_resnet
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.toy import ToyMpModel
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel import pipeline
 from jaxdp.strategies import StrategyError, create_strategy
-from jaxdp.task import classifier
+from jaxdp.api.task import classifier
 from parity_tests.pipeline_parallel import injected
 
 # depth 2: four pipeline layers, so two stages are (embed, block 0) and (block 1, norm + head),
@@ -194,10 +194,10 @@ def test_a_checkpoint_resumes_on_another_mesh(first, then, toy_reference, tmp_pa
 
 _BACK_TO_BACK = """
 import jax, numpy as np, optax
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.toy import ToyMpModel
 from jaxdp.strategies import create_strategy
-from jaxdp.task import classifier
+from jaxdp.api.task import classifier
 
 model = ToyMpModel()
 rng = np.random.default_rng(0)
@@ -236,8 +236,8 @@ def test_200_steps_dispatched_back_to_back_never_hang():
     ({"data": 2}, {"microbatches": 2}, 4, r"^--microbatches are pipeline micro-batches: give --mesh a stage axis"),
 ])
 def test_train_refuses_microbatches_that_cannot_work_in_one_line(axes, options, per_device, message):
-    from jaxdp.config import TrainConfig, TrainError
-    from jaxdp.train_setup import _pipeline_options
+    from jaxdp.config.tree import TrainConfig, TrainError
+    from jaxdp.run.setup import _pipeline_options
 
     with pytest.raises(TrainError, match=message):
         _pipeline_options(TrainConfig(**options), make_mesh(**axes), per_device)

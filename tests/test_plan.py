@@ -11,7 +11,7 @@ import pytest
 from jaxdp.analysis import inspect_strategy
 from jaxdp.analysis.plan import largest_batch, meshes, plan, recommend
 from jaxdp.analysis.plan_command import memory_size
-from jaxdp.cli import main
+from jaxdp.cli.command import main
 
 TINY = dict(width=4, blocks=(1, 1, 1, 1), image_size=16, optimizer="adam")
 
@@ -98,7 +98,7 @@ def test_cli_plan_needs_its_devices_simulated(capsys):
 # The child's own peak: /proc's VmHWM belongs to the process's memory map, new at exec.
 # (getrusage's ru_maxrss is not: Linux carries the parent's high-water mark across a
 # vfork+exec, so an xdist worker that had grown to 2.4 GB made the child "peak" at 2.4 GB.)
-_PLAN_AND_PEAK = ("import re, sys; from jaxdp.cli import main; status = main(sys.argv[1:]); "
+_PLAN_AND_PEAK = ("import re, sys; from jaxdp.cli.command import main; status = main(sys.argv[1:]); "
                   "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024, "
                   "file=sys.stderr); sys.exit(status)")
 

@@ -1,10 +1,10 @@
-"""What a run shows while it runs (jaxdp.progress): images/s without the compile, plain
+"""What a run shows while it runs (jaxdp.run.progress): images/s without the compile, plain
 progress lines when the output is a file."""
 
 import io
 
-from jaxdp import progress
-from jaxdp.progress import PlainProgress, Throughput
+from jaxdp.run import progress
+from jaxdp.run.progress import PlainProgress, Throughput
 
 
 def test_throughput_leaves_out_the_compile_and_is_a_moving_median(monkeypatch):

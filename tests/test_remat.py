@@ -20,11 +20,11 @@ import pytest
 from helpers import as_batch, init, random_batch
 from test_zero import OPTIMIZERS, UNITS, assert_same_training, ddp, make, small_resnet, train
 
-from jaxdp import choices
-from jaxdp.config import TrainConfig
+from jaxdp.config import choices
+from jaxdp.config.tree import TrainConfig
 from jaxdp.strategies import StrategyError, units
 from jaxdp.strategies.buckets import leaf_path
-from jaxdp.train_setup import strategy_options
+from jaxdp.run.setup import strategy_options
 
 pytestmark = pytest.mark.float64
 
@@ -81,7 +81,7 @@ def test_bench_rows_per_remat_and_bucket_cap():
     strategies that take the option, one row with defaults for the others."""
     import argparse
 
-    from parity_tests.bench.variants import ONE_BUCKET_MB, bucket_caps, label, remats, variants
+    from torch_commands.bench.variants import ONE_BUCKET_MB, bucket_caps, label, remats, variants
 
     axes = {"remat": remats("unit,none"), "bucket_cap_mb": bucket_caps("1,inf")}
     assert variants("zero3", axes) == [{"remat": "unit"}, {"remat": "none"}]

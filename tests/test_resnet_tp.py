@@ -14,11 +14,11 @@ import optax
 import pytest
 
 from helpers import as_batch, canonical_history, max_rel_error, numpy_init, random_batch, step_collectives_by_axis, tiny_resnet
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import create_model
 from jaxdp.models.resnet import BasicBlock
 from jaxdp.strategies import StrategyError, create_strategy
-from jaxdp.task import classifier
+from jaxdp.api.task import classifier
 
 STEPS = 3
 LR = 0.05

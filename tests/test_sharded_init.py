@@ -11,12 +11,12 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import create_model, fsdp_units
 from jaxdp.strategies import create_strategy
 from jaxdp.strategies.buckets import leaf_path
 from jaxdp.strategies.units import in_unit
-from jaxdp.task import classifier
+from jaxdp.api.task import classifier
 
 N = 8
 EXAMPLE = {"image": np.zeros((1, 32, 32, 3), np.float32), "label": np.zeros((1,), np.int32)}

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("jaxdp", "parity_tests", "torch_ref")
-TORCH_SIDE = ("torch", "torch_ref", "parity_tests")
+PACKAGES = ("jaxdp", "parity_tests", "torch_ref", "torch_commands")
+TORCH_SIDE = ("torch", "torch_ref", "parity_tests", "torch_commands")
 
 
 def modules(root: Path = ROOT) -> dict:
@@ -86,6 +86,14 @@ def test_the_graph_reads_function_level_and_relative_imports():
         graphlib.TopologicalSorter({**graph, "jaxdp.data.arrays": {"jaxdp.data.datasets"}}).prepare()
 
 
+def test_the_jaxdp_root_holds_packages_and_three_one_idea_modules():
+    """Folders by concern (docs/architecture.md): a new module goes into the package of its concern."""
+    root = sorted(p.stem for p in (ROOT / "jaxdp").glob("*.py"))
+    assert root == ["__init__", "interop", "optim", "registry"]
+    packages = sorted(p.parent.name for p in (ROOT / "jaxdp").glob("*/__init__.py"))
+    assert packages == ["analysis", "api", "cli", "config", "data", "models", "parallel", "run", "runtime", "strategies"]
+
+
 def test_no_import_cycles():
     try:
         graphlib.TopologicalSorter(import_graph()).prepare()
@@ -95,7 +103,7 @@ def test_no_import_cycles():
 
 def test_the_jax_side_imports_nothing_of_the_torch_side():
     """jaxdp/ never imports torch, torch_ref or parity_tests, at any level: `pip install jaxdp`
-    has none of them. (parity and bench reach jaxdp's CLI as entry points, jaxdp.commands.)"""
+    has none of them. (parity and bench reach jaxdp's CLI as entry points, jaxdp.cli.commands.)"""
     found = modules()
     offenders = {name: sorted(n for n in imported_names(name, path) if n.split(".")[0] in TORCH_SIDE)
                  for name, path in found.items() if name.split(".")[0] == "jaxdp"}
@@ -103,13 +111,13 @@ def test_the_jax_side_imports_nothing_of_the_torch_side():
 
 
 def test_inspect_bench_and_parity_never_reach_a_trainer():
-    """They use the library (strategies, models, analysis), never jaxdp.train or torch_ref.train.
+    """They use the library (strategies, models, analysis), never jaxdp.run.train or torch_ref.train.
     ``python -m parity_tests`` is ``jaxdp parity`` (the CLI): not counted; nor are the tests."""
     graph = import_graph()
-    users = [m for m in graph if m.startswith(("jaxdp.analysis", "parity_tests"))
+    users = [m for m in graph if m.startswith(("jaxdp.analysis", "parity_tests", "torch_commands"))
              and not m.rpartition(".")[2].startswith(("test_", "__main__"))]
-    assert "parity_tests.bench.command" in users and "parity_tests.runner" in users
-    reached = {m: sorted(reachable(graph, m) & {"jaxdp.train", "torch_ref.train", "jaxdp.cli"}) for m in users}
+    assert "torch_commands.bench.command" in users and "parity_tests.runner" in users
+    reached = {m: sorted(reachable(graph, m) & {"jaxdp.run.train", "torch_ref.train", "jaxdp.cli.command"}) for m in users}
     assert {m: r for m, r in reached.items() if r} == {}
 
 
@@ -127,9 +135,9 @@ def test_a_plain_install_brings_only_the_jax_side():
     assert {"torch", "matplotlib"} <= names(extras["torch"])
     assert "jaxdp[torch]" in extras["parity"] and "jaxdp[torch]" in extras["dev"]
     commands = project["entry-points"]["jaxdp.commands"]
-    assert commands == {"parity": "parity_tests.command:PARITY", "bench": "parity_tests.bench.command:BENCH",
-                        "export": "torch_ref.export:EXPORT", "plan": "jaxdp.analysis.plan_command:PLAN"}
-    from jaxdp.commands import registered
+    assert commands == {"parity": "parity_tests.command:PARITY", "bench": "torch_commands.bench.command:BENCH",
+                        "export": "torch_commands.export:EXPORT", "plan": "jaxdp.analysis.plan_command:PLAN"}
+    from jaxdp.cli.commands import registered
 
     assert set(registered()) == set(commands), "stale install metadata: run pip install -e '.[dev]' (make install)"
 
@@ -140,13 +148,13 @@ _WITHOUT_TORCH = textwrap.dedent("""
     import sys
     sys.modules["torch"] = None  # `import torch` raises ImportError, as when it is not installed
 
-    import jaxdp, jaxdp.cli, jaxdp.strategies, jaxdp.trainer
+    import jaxdp, jaxdp.cli.command, jaxdp.strategies, jaxdp.api.trainer
     import jax, numpy as np, optax
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
 
     try:
-        jaxdp.cli.main(["train", "--help"])
+        jaxdp.cli.command.main(["train", "--help"])
     except SystemExit as e:
         assert e.code == 0, e.code
     model = create_model("resnet18", width=4, blocks=(1, 1, 1, 1))
@@ -167,7 +175,7 @@ _WITHOUT_TORCH = textwrap.dedent("""
     print("torch side", sorted(m for m in sys.modules if m.split(".")[0] in ("torch_ref", "parity_tests", "matplotlib")
                                or (m.startswith("torch") and sys.modules[m] is not None)))
     for command, args in (("parity", ["--devices", "2"]), ("bench", ["--devices", "2"]), ("export", ["--torch", "a", "b"])):
-        print(command, jaxdp.cli.main([command, *args]))
+        print(command, jaxdp.cli.command.main([command, *args]))
 """)
 
 

@@ -14,11 +14,11 @@ import optax
 import pytest
 
 from helpers import TinyConvNet, canonical_history, max_rel_error, resumed_on, step_collectives_by_axis, stepped
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel.tensor import Column, TensorParallel
 from jaxdp.strategies import StrategyError, create_strategy
-from jaxdp.task import classifier
+from jaxdp.api.task import classifier
 
 DEPTH = 2
 SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=DEPTH, heads=4, mlp_dim=32)
@@ -160,7 +160,7 @@ def test_three_heads_over_model2_train_from_the_command_line_saying_attention_st
                                                                                         monkeypatch):
     """``jaxdp train --mesh data=2,model=2 --model vit-tiny`` (vit-tiny's 3 heads), at a tiny size:
     the full vit-tiny takes 62 s of CPU on this path."""
-    from jaxdp.cli import main
+    from jaxdp.cli.command import main
     from jaxdp.models import VIT_ARCHITECTURES
 
     monkeypatch.setitem(VIT_ARCHITECTURES, "vit-tiny", dict(dim=12, depth=1, heads=3, mlp_dim=16, patch=8))
@@ -196,10 +196,10 @@ def test_ring_all_reduce_is_refused_beside_a_model_axis():
 _BACK_TO_BACK = """
 import sys
 import jax, numpy as np, optax
-from jaxdp.mesh import make_mesh
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.strategies import create_strategy
-from jaxdp.task import classifier
+from jaxdp.api.task import classifier
 
 name, steps = sys.argv[1], int(sys.argv[2])
 model = ViT(num_classes=10, image_size=16, patch=8, dim=16, depth=2, heads=4, mlp_dim=32)

@@ -55,7 +55,7 @@ def test_tuned_is_channels_last_on_cuda_only_and_off_by_default():
 def test_bench_times_torch_compile_and_each_lever(tmp_path):
     """One ddp row per lever; torch (eager and compiled) on the first lever's row only; the
     headline ratio against the faster torch; each lever's compile options in its record."""
-    from jaxdp.cli import main
+    from jaxdp.cli.command import main
 
     out = tmp_path / "bench"
     rc = main(["bench", "--strategies", "ddp", "--devices", "1", "--width", "4", "--blocks", "1,1,1,1",
@@ -80,7 +80,7 @@ def test_gpu_levers_are_compile_options_xla_accepts():
     import jax
     import jax.numpy as jnp
 
-    from parity_tests.bench.levers import LEVERS, compiler_options
+    from torch_commands.bench.levers import LEVERS, compiler_options
 
     for name in LEVERS:
         options = compiler_options(name, "gpu")
@@ -91,7 +91,7 @@ def test_gpu_levers_are_compile_options_xla_accepts():
 def test_torch_ref_train_hands_the_compile_switch_to_the_step(tmp_path, monkeypatch):
     """``torch_ref.train --compile aot_eager`` reaches ``step_api.build`` (the switch itself is
     tested above); ``build`` is replaced, so no model is built."""
-    from jaxdp.cli import config_from_args
+    from jaxdp.cli.command import config_from_args
     from torch_ref import train as torch_train
 
     args = torch_train.build_parser().parse_args(

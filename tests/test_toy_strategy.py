@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxdp import registry
-from jaxdp.cli import main
+from jaxdp.cli.command import main
 from jaxdp.strategies.ddp import DDP
 
 TINY = ["--width", "4", "--blocks", "1,1,1,1"]
@@ -83,7 +83,7 @@ def test_the_registry_and_the_cli_choices_load_without_jax():
     import subprocess
     import sys
 
-    code = "import sys, jaxdp.choices, jaxdp.registry; print(jaxdp.choices.STRATEGIES, 'jax' in sys.modules)"
+    code = "import sys, jaxdp.config.choices, jaxdp.registry; print(jaxdp.config.choices.STRATEGIES, 'jax' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == f"{registry.names()} False"
 
@@ -92,7 +92,7 @@ def test_bucket_cap_mb_has_one_default_the_cli_library_and_torch_ref_read():
     """torch DDP's own default (None: a 1 MiB first bucket, then 25 MiB) on all three sides."""
     import inspect
 
-    from jaxdp.config import TrainConfig
+    from jaxdp.config.tree import TrainConfig
     from jaxdp.strategies import options_of
     from jaxdp.strategies.buckets import MIB, bucket_limits
     from torch_ref.strategies import ddp as torch_ddp
@@ -109,7 +109,7 @@ def test_the_default_hsdp_mesh_is_one_definition():
     from types import SimpleNamespace
 
     from jaxdp.strategies.zero import default_hsdp_shape
-    from parity_tests import gpu_check
+    from torch_commands import gpu_check
     from torch_ref.strategies import TWINS, hsdp_mesh_shape
 
     assert registry.default_mesh(2) == (2, 1) and registry.default_mesh(8) == (2, 4)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import jaxdp
-import jaxdp.train as train_module
-from jaxdp.cli import main
-from jaxdp.config import TrainConfig
-from jaxdp.train import train
+import jaxdp.run.train as train_module
+from jaxdp.cli.command import main
+from jaxdp.config.tree import TrainConfig
+from jaxdp.run.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(width=4, blocks=(1, 1, 1, 1), synthetic_size=(256, 64), global_batch_size=32, devices=2,

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdp.config import TrainConfig
-from jaxdp.train import train
+from jaxdp.config.tree import TrainConfig
+from jaxdp.run.train import train
 
 TINY = dict(width=4, blocks=(1, 1, 1, 1), synthetic_size=(64, 32), global_batch_size=16, devices=2, lr=0.05,
             progress=False)  # 4 steps per epoch
@@ -133,7 +133,7 @@ def test_mfu_is_model_flops_and_memory_comes_from_the_compiled_step(run):
     assert train_records[0]["mfu"] is None  # no step time yet
     flops = [r["mfu"] * cfg.peak_flops * cfg.devices / r["images_per_sec"] for r in train_records[1:]]
     np.testing.assert_allclose(flops, resnet_cifar_flops(cfg.width, cfg.blocks), rtol=1e-9)
-    from jaxdp.train_setup import build
+    from jaxdp.run.setup import build
 
     setup = build(cfg)
     batch = setup.strategy.shard_batch({"image": np.zeros((16, 32, 32, 3), np.float32),
@@ -164,7 +164,7 @@ def test_time_to_first_step_is_in_the_first_record_only(run):
 def test_compile_cache_directory_rules(tmp_path, monkeypatch):
     """On by default in a per-user directory split by job size; a directory the user set is
     kept; --no-compile-cache turns the cache off."""
-    from jaxdp.perf import enable_compile_cache
+    from jaxdp.run.perf import enable_compile_cache
 
     before = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
     try:
@@ -187,7 +187,7 @@ def test_compile_cache_directory_rules(tmp_path, monkeypatch):
 def test_without_tensorboardx_scalars_are_off_said_once(tmp_path, monkeypatch, capsys):
     import builtins
 
-    from jaxdp import scalars
+    from jaxdp.run import scalars
 
     real_import = builtins.__import__
 
@@ -211,7 +211,7 @@ def test_tensorboard_scalars_do_not_load_torch(tmp_path):
     import sys
 
     assert importlib.util.find_spec("torch") is not None
-    script = ("import sys; from jaxdp.scalars import open_scalar_writer\n"
+    script = ("import sys; from jaxdp.run.scalars import open_scalar_writer\n"
               f"w = open_scalar_writer({str(tmp_path)!r}); w.write({{'kind': 'train', 'step': 1, 'loss': 0.5}}); w.close()\n"
               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -27,9 +27,9 @@ from helpers import TinyConvNet, as_batch, collectives_in_loops, init, max_rel_e
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxdp.strategies  # noqa: E402
-from jaxdp.checkpoint import Checkpointer  # noqa: E402
-from jaxdp.config import TrainConfig  # noqa: E402
-from jaxdp.mesh import make_mesh  # noqa: E402
+from jaxdp.run.checkpoint import Checkpointer  # noqa: E402
+from jaxdp.config.tree import TrainConfig  # noqa: E402
+from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model, fsdp_units  # noqa: E402
 from jaxdp.models.resnet import BasicBlock, Bottleneck, ResNet, Stage  # noqa: E402
 from jaxdp.models.vit import EncoderBlock  # noqa: E402
@@ -38,7 +38,7 @@ from jaxdp.strategies import StrategyError, create_strategy, layout  # noqa: E40
 from jaxdp.strategies.buckets import leaf_path  # noqa: E402
 from jaxdp.strategies.units import UnitError, Units, fsdp_unit, gather_on_use, in_unit, unit_paths  # noqa: E402
 from jaxdp.strategies.zero import ZeRO  # noqa: E402
-from jaxdp.task import classifier  # noqa: E402
+from jaxdp.api.task import classifier  # noqa: E402
 
 TOL = 1e-12
 STEPS = 5
@@ -664,7 +664,7 @@ def test_checkpoints_are_written_sharded_and_nothing_is_gathered_to_save(tmp_pat
 
 
 def test_train_zero3_end_to_end(tmp_path, capsys):
-    from jaxdp.train import train as train_run
+    from jaxdp.run.train import train as train_run
 
     cfg = TrainConfig(strategy="zero3", devices=4, width=4, blocks=(1, 1, 1, 1), synthetic_size=(256, 64),
                       global_batch_size=32, epochs=2, lr=0.05, out=str(tmp_path / "run"), progress=True)

@@ -20,7 +20,7 @@ It shares only the numpy data pipeline and the weight conversion
 Nothing here imports JAX at module level (``jaxdp.optim`` is imported only for a
 non-constant lr schedule), so torch ranks start without it. The package itself imports
 nothing (not even torch) until a name is used: ``jaxdp export``'s entry point
-(``torch_ref.export``) is read by ``jaxdp --help`` also where torch is not installed.
+(``torch_commands.export``) is read by ``jaxdp --help`` also where torch is not installed.
 """
 
 __all__ = ["MODELS", "STEMS", "ResNet", "create_model", "resnet"]

@@ -9,7 +9,7 @@ Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)
     #          "buffers", "optimizer_state"}; other ranks: None
 
 ``config`` keys (``DEFAULTS`` lists them with their defaults; unknown keys are refused): a
-``jaxdp.step_config.StepConfig`` as a dict (the names ``jaxdp train`` and ``jaxdp parity``
+``jaxdp.config.step.StepConfig`` as a dict (the names ``jaxdp train`` and ``jaxdp parity``
 use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:
 
 - ``strategy``: dp | ddp | zero1 | zero2 | zero3 | hsdp
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jaxdp.step_config import ModelOptions, StepConfig
+from jaxdp.config.step import ModelOptions, StepConfig
 from torch_ref import dist as tdist
 from torch_ref import strategies
 from torch_ref.models import create_model

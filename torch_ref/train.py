@@ -9,8 +9,8 @@
 ``--backend`` (``auto`` defers to ``JAXDP_TORCH_BACKEND`` when set; see ``torch_ref.dist``):
 under nccl rank r computes on ``cuda:LOCAL_RANK`` (torchrun sets it), under gloo on the CPU.
 
-Everything a run sees is shared with jaxdp: the options (``jaxdp.cli.add_train_args``
-into ``jaxdp.config.TrainConfig``), the numpy data pipeline (rank r loads only its rows,
+Everything a run sees is shared with jaxdp: the options (``jaxdp.cli.command.add_train_args``
+into ``jaxdp.config.tree.TrainConfig``), the numpy data pipeline (rank r loads only its rows,
 ``epoch_batches(..., ranks=[r])``; NHWC is transposed to NCHW here), the lr formula
 (``jaxdp.optim.torch_lr_lambda`` in ``LambdaLR``), and the ``metrics.jsonl`` records.
 ``--devices`` is the world size, which torchrun sets; for ``dp`` it is the number of GPUs.
@@ -39,11 +39,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jaxdp.config import (TrainConfig, TrainError, batchnorm_batch_error, check_choice, check_config, end_position,
+from jaxdp.config.tree import (TrainConfig, TrainError, batchnorm_batch_error, check_choice, check_config, end_position,
                           epoch_length, per_device_batch, total_steps)
-from jaxdp.interrupts import DeferredInterrupt, exit_status, interrupted_message
-from jaxdp.progress import Throughput, progress_bar, say
-from jaxdp.rundir import MetricsLog, check_fingerprint, refuse_earlier_run, remove_run_files, write_config
+from jaxdp.run.interrupts import DeferredInterrupt, exit_status, interrupted_message
+from jaxdp.run.progress import Throughput, progress_bar, say
+from jaxdp.run.rundir import MetricsLog, check_fingerprint, refuse_earlier_run, remove_run_files, write_config
 from torch_ref import checkpoint as ckpt
 from torch_ref import dist as tdist
 from torch_ref.step_api import DTYPES, Runner, build, to_torch_batch
@@ -90,7 +90,7 @@ def data_layout(cfg: TrainConfig):
 
 
 def _setup(cfg: TrainConfig, speed: Optional[dict] = None):
-    """As ``jaxdp.train_setup.build``: everything that can be refused is, before the dataset
+    """As ``jaxdp.run.setup.build``: everything that can be refused is, before the dataset
     loads and before anything is written."""
     from jaxdp.data import load_dataset
 
@@ -114,7 +114,7 @@ def _setup(cfg: TrainConfig, speed: Optional[dict] = None):
 def _check_model(cfg: TrainConfig, replicas: int) -> None:
     """The model's options, and BatchNorm's need for more than one value per channel,
     checked on the meta device (shapes only). Only a micro-batch of one image can fall
-    short (see ``jaxdp.train_setup._check_batchnorm_batch``); torch would raise at the first step."""
+    short (see ``jaxdp.run.setup._check_batchnorm_batch``); torch would raise at the first step."""
     from torch_ref.models import resnet
 
     with torch.device("meta"):
@@ -176,7 +176,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, speed: Op
     """Train ``cfg`` in the current process group (world 1 if none is initialised);
     returns a summary. ``stop_after_steps`` simulates an interruption: checkpoint, return.
     ``speed``: ``step_api``'s speed settings (``{"compile": "inductor"}``, ``{"tuned": True}``).
-    Ctrl-C and SIGTERM in a world of one: as ``jaxdp.train.train`` (see ``jaxdp.interrupts``)."""
+    Ctrl-C and SIGTERM in a world of one: as ``jaxdp.run.train.train`` (see ``jaxdp.run.interrupts``)."""
 
     from jaxdp.data import Prefetcher, epoch_batches
 
@@ -263,7 +263,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, speed: Op
                 for step_in_epoch, (x, y) in enumerate(batches, start=first):
                     loss, correct, lr = runner.forward_backward(x, y)
                     runner.update()
-                    global_step += 1  # at once: the state in hand is this step's (see jaxdp.train)
+                    global_step += 1  # at once: the state in hand is this step's (see jaxdp.run.train)
                     position = (epoch, step_in_epoch + 1)
                     unlogged = (epoch, loss, correct, lr)
                     write_record(bar)
@@ -329,7 +329,7 @@ def add_backend_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxdp.cli import add_train_args
+    from jaxdp.cli.command import add_train_args
 
     parser = argparse.ArgumentParser(
         prog="torch_ref.train", description=__doc__.splitlines()[0],
@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
-    from jaxdp.cli import config_from_args
+    from jaxdp.cli.command import config_from_args
 
     return config_from_args(build_parser().parse_args(argv))
 
@@ -356,7 +356,7 @@ def _user_errors():
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from jaxdp.cli import config_from_args
+    from jaxdp.cli.command import config_from_args
 
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)

@@ -9,12 +9,12 @@ import sys
 
 from jaxdp.analysis.measure import InspectError, inspect_strategy
 from jaxdp.analysis.report import format_report
-from jaxdp.flags import VIT_SIZES, add_mesh_flag, add_remat_flag, add_vit_flags, comma_ints
+from jaxdp.config.flags import VIT_SIZES, add_mesh_flag, add_remat_flag, add_vit_flags, comma_ints
 
 DEFAULT_DEVICES = 8
 
 def add_inspect_args(p) -> None:
-    from jaxdp import choices
+    from jaxdp.config import choices
 
     p.add_argument("--strategy", default="zero3", metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
     p.add_argument("--devices", type=int, default=None, help=f"devices (simulated on CPU; default {DEFAULT_DEVICES})")
@@ -37,7 +37,7 @@ def add_inspect_args(p) -> None:
 
 def add_model_args(p) -> None:
     """The model, its input and its optimizer: what ``inspect`` and ``plan`` build."""
-    from jaxdp import choices
+    from jaxdp.config import choices
 
     p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
     p.add_argument("--width", type=int, default=64, help="ResNet: channels of the first stage (64 = torchvision)")
@@ -52,7 +52,7 @@ def add_model_args(p) -> None:
 def _mesh_and_devices(args):
     """(named mesh sizes or None, device count): ``--mesh`` or ``--devices`` (default 8), simulated
     on CPU before jax starts."""
-    from jaxdp.mesh import mesh_sizes, simulate_cpu_devices
+    from jaxdp.runtime.mesh import mesh_sizes, simulate_cpu_devices
 
     mesh = mesh_sizes(args.mesh, args.devices) if args.mesh else None
     devices = math.prod(mesh.values()) if mesh else args.devices or DEFAULT_DEVICES
@@ -61,7 +61,7 @@ def _mesh_and_devices(args):
 
 
 def run(args) -> int:
-    from jaxdp.mesh import MeshError
+    from jaxdp.runtime.mesh import MeshError
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 

@@ -38,7 +38,7 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     (depth, dim, heads, mlp_dim, patch)."""
     import jax
 
-    from jaxdp.mesh import make_mesh
+    from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model, family
     from jaxdp.strategies import options_of
 
@@ -69,7 +69,7 @@ def build_strategy(name: str, mesh, net, optimizer: str, options: Optional[dict]
     momentum 0.9; others lr 1e-3) and the model's FSDP units: what ``inspect`` and ``plan`` measure."""
     from jaxdp.optim import make_optimizer
     from jaxdp.strategies import create_strategy
-    from jaxdp.task import classifier
+    from jaxdp.api.task import classifier
 
     lr = 0.1 if optimizer == "sgd" else 1e-3
     tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)

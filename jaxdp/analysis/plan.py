@@ -114,7 +114,7 @@ def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: flo
     """One row of the plan: formulas, the compiled memory at b, the largest batch that fits."""
     from jaxdp.analysis.measure import build_strategy
     from jaxdp.analysis.state import strategy_formulas
-    from jaxdp.mesh import make_mesh
+    from jaxdp.runtime.mesh import make_mesh
 
     from jaxdp.strategies import options_of
 

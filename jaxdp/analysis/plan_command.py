@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-from jaxdp.commands import Command, CommandError
+from jaxdp.cli.commands import Command, CommandError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

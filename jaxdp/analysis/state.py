@@ -188,7 +188,7 @@ def extra_formula(strategy, params, p: int) -> int:
     """Bytes of ``extra`` per device: async's k params copies; PowerSGD's error (pΨ) and Qs (cols·r each)."""
     import jax
 
-    from jaxdp.compression import leaf_name, matrix_shape
+    from jaxdp.strategies.compression import leaf_name, matrix_shape
 
     psi = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     powersgd = _powersgd(strategy)
@@ -215,7 +215,7 @@ def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
     compressed one as its P (rows·r) and Q (cols·r)."""
     import jax
 
-    from jaxdp.compression import leaf_name, matrix_shape
+    from jaxdp.strategies.compression import leaf_name, matrix_shape
 
     plan = _powersgd(strategy).plan(params)
     values = 0
@@ -248,7 +248,7 @@ def strategy_formulas(strategy) -> dict:
     (the full params without one: Ψ_local = Ψ; ``jaxdp.analysis.axes``)."""
     import jax
 
-    from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
+    from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS
 
     params = strategy.local_shapes
     leaves = jax.tree_util.tree_leaves(params)

@@ -5,7 +5,7 @@ trains 60-80k: so the work is spread over processes. Each worker maps the traini
 images from one file in shared memory (/dev/shm where there is one; no copy per worker,
 no pickling of the dataset) and returns a step's uint8 crops (``augment``, the same function the reference
 pipeline calls), 3 KiB an image. Normalising to float32 is 4x the bytes, so it is left
-to the devices (``jaxdp.device_data.normalize``, exact by construction).
+to the devices (``jaxdp.run.device_data.normalize``, exact by construction).
 
 Steps are submitted ``ahead`` at a time and handed back in order, so the stream equals
 ``epoch_batches``' however the workers interleave. Plain numpy and the standard library:

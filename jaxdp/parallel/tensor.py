@@ -33,7 +33,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from jaxdp.mesh import MODEL_AXIS, axis_size
+from jaxdp.runtime.mesh import MODEL_AXIS, axis_size
 
 
 class TensorParallelError(ValueError):

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp import compile_options
-from jaxdp.mesh import DATA_AXIS
+from jaxdp.runtime import compile_options
+from jaxdp.runtime.mesh import DATA_AXIS
 from jaxdp.parallel import pipeline, protocol, staged, tensor
-from jaxdp.state import TrainState
+from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import conversions, layout
 from jaxdp.strategies.buckets import insertion_order_paths
 from jaxdp.strategies.device_math import as_tuple, device_index
@@ -34,7 +34,7 @@ from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.placement import Placement
 from jaxdp.strategies.step_reductions import StepReductions
 
-_abstract, _zeros = layout.shapes_of, layout.zeros  # the names jaxdp.validate imports
+_abstract, _zeros = layout.shapes_of, layout.zeros  # the names jaxdp.api.validate imports
 
 
 class Strategy(StepReductions):
@@ -114,7 +114,7 @@ class Strategy(StepReductions):
         self.return_grads = return_grads  # parity checks compare the averaged gradients too (costs memory)
         self.log_grad_norm = log_grad_norm  # the trainer logs it; off by default (one more collective)
         self.donate = True  # the step updates the state's buffers in place; the bench turns it off to measure it
-        try:  # None: the platform's default options, "none": XLA's own (jaxdp.compile_options)
+        try:  # None: the platform's default options, "none": XLA's own (jaxdp.runtime.compile_options)
             self.compiler_options = compile_options.resolve(compiler_options, mesh.devices.flat[0].platform)
         except compile_options.CompileOptionsError as e:
             raise StrategyError(str(e)) from None
@@ -287,7 +287,7 @@ class Strategy(StepReductions):
 
 
 def _check_model_parallel_axes(strategy, mesh) -> None:
-    from jaxdp.mesh import MODEL_AXIS, STAGE_AXIS, axis_size
+    from jaxdp.runtime.mesh import MODEL_AXIS, STAGE_AXIS, axis_size
 
     for axis in (MODEL_AXIS, STAGE_AXIS):
         if axis_size(mesh, axis) > 1 and not strategy.model_parallel:

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.parallel import pipeline
-from jaxdp.state import TrainState
+from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.errors import StrategyError
 

@@ -9,7 +9,7 @@ stream, what the step's reductions need). ``Strategy`` gives every hook a defaul
 
 from typing import Any, Optional, Protocol, Tuple, Union
 
-from jaxdp.state import TrainState
+from jaxdp.strategies.state import TrainState
 
 
 class StrategyHooks(Protocol):

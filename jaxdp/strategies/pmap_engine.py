@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp.state import TrainState
+from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import conversions, layout
 from jaxdp.strategies.engine import in_step_context
 from jaxdp.strategies.errors import StrategyError

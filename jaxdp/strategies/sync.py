@@ -5,7 +5,7 @@ average over the data axis, one collective per bucket (``buckets.py``: torch's o
 sizes). Its options are torch's hooks:
 
 - ``allreduce="ring"``: each bucket summed with explicit ppermute ring steps
-  (``jaxdp.collectives``) instead of XLA's all-reduce;
+  (``jaxdp.strategies.collectives``) instead of XLA's all-reduce;
 - ``compress="bf16"|"fp16"``: torch's ``bf16_compress_hook``/``fp16_compress_hook``;
 - ``compress="powersgd"``: torch's ``powerSGD_hook`` (rank ``powersgd_rank``, other
   ``PowerSGDState`` settings in ``powersgd_options``) with its error feedback and Qs as
@@ -19,7 +19,7 @@ all-reduces (DDP, async, ZeRO-1) composes it.
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp import collectives, compression
+from jaxdp.strategies import collectives, compression
 from jaxdp.strategies import buckets
 from jaxdp.strategies.errors import StrategyError
 

@@ -35,7 +35,7 @@ one reduction per K micro-batches would need the full local gradient to accumula
 into, exactly the 4Ψ per device ZeRO-3 exists to remove. The sum is linear, so the
 result is DDP's. Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s): a
 transform that reduces over whole tensors would see only a chunk, so it is refused at init
-(``jaxdp.reductions.check_shardable``); ``jaxdp.clip_by_global_norm`` is the sharded clip.
+(``jaxdp.api.reductions.check_shardable``); ``jaxdp.clip_by_global_norm`` is the sharded clip.
 """
 
 import dataclasses
@@ -47,7 +47,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdp import registry
-from jaxdp.mesh import DATA_AXIS, REPLICA_AXIS
+from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics

@@ -1,0 +1,123 @@
+"""The public API: any Flax model, any loss, any strategy.
+
+    mesh = jaxdp.make_mesh(data=4)
+    trainer = jaxdp.Trainer(model, loss_fn, optax.adamw(3e-4), jaxdp.ZeRO(stage=3, units=(Block,)), mesh)
+    state = trainer.init(jax.random.key(0), example_batch)
+    state, metrics = trainer.step(state, batch)
+    trainer.save(path, state); state = trainer.restore(path, example_batch)  # any strategy, mesh, N
+
+``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
+``jaxdp.api.task``), or ``jaxdp.classifier(model)`` for an image classifier. A loss whose first
+parameter is ``model``, ``loss_fn(model, params, ...)``, receives the model jaxdp prepared
+(split over a ``model`` axis, cut into stages: ``jaxdp.api.model_task``, ``jaxdp.parallel.protocol``). Batches are any
+pytree of host arrays with a shared leading batch dimension: the global batch, or in a
+multi-process job this process's rows of it. A strategy is named with the factories below
+(``DDP()``, ``ZeRO(stage=3)``, ...) or by its registry name (``"zero3"``).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import jax
+from jax.sharding import NamedSharding
+
+from jaxdp.api import model_task, saving, task as tasks, validate
+from jaxdp.runtime.mesh import make_mesh
+from jaxdp.strategies import create_strategy
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy's name and options, before it meets a model, an optimizer and a mesh."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+
+
+def DDP(**options) -> StrategySpec:  # noqa: N802 - reads as the strategy's name
+    return StrategySpec("ddp", options)
+
+
+def ZeRO(stage: int = 3, **options) -> StrategySpec:  # noqa: N802
+    return StrategySpec(f"zero{stage}" if stage in (1, 2, 3) else str(stage), options)
+
+
+def HSDP(**options) -> StrategySpec:  # noqa: N802
+    return StrategySpec("hsdp", options)
+
+
+def DataParallel(**options) -> StrategySpec:  # noqa: N802
+    return StrategySpec("dp", options)
+
+
+def AsyncPS(staleness: int = 0, **options) -> StrategySpec:  # noqa: N802
+    return StrategySpec("async", {"staleness": staleness, **options})
+
+
+class Trainer:
+    def __init__(self, model, loss_fn, tx, strategy: Any = "ddp", mesh=None, *, eval_fn: Optional[Callable] = None,
+                 model_inputs: Optional[Callable] = None, init_kwargs: Optional[dict] = None):
+        if isinstance(loss_fn, tasks.Classifier):
+            task = loss_fn
+        elif callable(loss_fn):
+            task = model_task.as_task(model, loss_fn, eval_fn, model_inputs, init_kwargs)
+        else:
+            raise TypeError(f"loss_fn must be callable (or jaxdp.classifier(model)), got {type(loss_fn).__name__}")
+        # Checked at init (``jaxdp.api.validate``): our own classifier and pipelines need no check.
+        self._check_loss = not isinstance(task, tasks.Classifier)
+        self._default_inputs = model_inputs is None
+        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
+        self.strategy = create_strategy(spec.name, model, task, tx, mesh if mesh is not None else make_mesh(),
+                                        **spec.options)
+        self.mesh = self.strategy.mesh
+
+    def init(self, rng, example_batch):
+        """A fresh, already sharded state (nothing whole is built for ZeRO). ``rng`` seeds the
+        params and the rng stream ``loss_fn`` sees (see ``step_key``): ``jax.random.key(s)``
+        draws what the CLI's ``--seed s`` draws."""
+        self._check(example_batch)
+        self.strategy.use_rng(rng)
+        return self.strategy.init(rng, example_batch)
+
+    def step(self, state, batch):
+        """One optimizer update on a global batch; returns (state, metrics). The state is donated."""
+        return self.strategy.step(state, self._placed(batch, self.strategy.accum_steps))
+
+    def evaluate(self, state, batch):
+        """``eval_fn``'s sums over the global batch (a ``{"mask"}`` leaf drops padding rows for classifiers)."""
+        if getattr(self.strategy.eval_task, "eval_fn", None) is None:
+            raise ValueError("this Trainer has no eval_fn: pass eval_fn=... to evaluate")
+        return self.strategy.evaluate(state, self._placed(batch))
+
+    def save(self, path: str, state) -> int:
+        """Write ``state`` to the checkpoint directory ``path`` (orbax, the layout ``jaxdp train``
+        writes), as step ``state.step``; each device writes its own part. Returns the step."""
+        return saving.save(self.strategy, path, state)
+
+    def restore(self, path: str, example_batch, step: Optional[int] = None):
+        """The newest checkpoint in ``path`` (or ``step``), saved under any strategy, mesh or
+        device count, as this Trainer's state; restores ``init``'s rng stream too."""
+        self._check(example_batch)
+        return saving.restore(self.strategy, path, example_batch, step)
+
+    def canonical(self, state):
+        """The full params and optimizer state (DDP's layout), e.g. to export or compare."""
+        return self.strategy.canonical(state)
+
+    def _check(self, example_batch):
+        """One-line errors for a bad batch or loss_fn, before anything compiles (``jaxdp.api.validate``)."""
+        validate.batch_rows(example_batch)
+        if self._check_loss and self.strategy.pp is None:
+            validate.loss_fn(self.strategy, example_batch, self._default_inputs)
+
+    def _placed(self, batch, accum_steps: int = 1):
+        leaves = jax.tree_util.tree_leaves(batch)
+        if leaves and all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh
+                          for x in leaves):
+            return batch  # already on the mesh
+        validate.batch_splits(validate.batch_rows(batch), self.strategy.num_devices, accum_steps)
+        return self.strategy.shard_batch(batch)
+
+
+def classifier(model):
+    return tasks.classifier(model)

@@ -1,0 +1,99 @@
+"""Where a run starts: a fresh state, or the newest usable checkpoint's state and the data
+position that goes with it.
+
+Data position and elastic resume. An epoch is one ordered list: the epoch's
+permutation, padded by repeating its head to a multiple of the device count
+(torch's DistributedSampler). Step ``s`` takes entries ``[s*G, (s+1)*G)`` of it,
+``G`` the global batch, whatever the device count N: entry ``j`` of the step goes
+to device ``j % N`` (that *is* DistributedSampler's ``indices[rank::N]`` with
+per-device batches). A checkpoint records (epoch, step, ``s*G`` samples consumed,
+N, the permutation's digest). Resumed on N' devices, step ``s`` continues with
+entry ``s*G`` of the same permutation, now dealt over N': no sample of the epoch
+is lost or repeated. Only the ragged tail can differ: the epoch ends after
+``floor(ceil(n/N')*N' / G)`` steps, so the last partial global batch is dropped
+and, when N' does not divide n, the list is padded with N''s head repeats
+instead of N's (both only at the end of the epoch, which a mid-epoch checkpoint
+has not reached). The global batch must stay the same (it is in the fingerprint).
+"""
+
+import hashlib
+import sys
+import warnings
+
+import jax
+import numpy as np
+
+from jaxdp.run.checkpoint import CheckpointError
+from jaxdp.config.tree import TrainConfig, TrainError, end_position
+from jaxdp.data.sampler import epoch_permutation
+from jaxdp.run.rundir import NOTHING_TO_RESUME, check_fingerprint, resuming_message
+
+
+def data_position(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int) -> dict:
+    """Where the sampler stands: enough to continue on any device count (module docstring)."""
+    n = len(setup.train_set)
+    return {"epoch": epoch, "step_in_epoch": step_in_epoch,
+            "samples_consumed": step_in_epoch * cfg.global_batch_size,
+            "global_batch": cfg.global_batch_size, "num_samples": n,
+            "num_replicas": setup.strategy.num_devices, "batch_per_replica": setup.per_device,
+            "steps_per_epoch": setup.steps_per_epoch, "processes": jax.process_count(),
+            "seed": cfg.seed, "permutation_sha256": permutation_digest(n, cfg.seed, epoch)}
+
+
+def permutation_digest(n: int, seed: int, epoch: int) -> str:
+    """Short sha256 of an epoch's sample order: a resumed run must see the same one."""
+    perm = np.ascontiguousarray(epoch_permutation(n, seed, epoch), dtype=np.int64)
+    return hashlib.sha256(perm.tobytes()).hexdigest()[:16]
+
+
+def start_state(cfg: TrainConfig, setup, ckpt, example, is_main: bool):
+    """(state, (epoch, steps of it done), global step) to train from."""
+    strategy = setup.strategy
+    if not cfg.resume:
+        return setup.trainer.init(jax.random.key(cfg.seed), example), (0, 0), 0  # each device builds its shards
+    if ckpt.latest_step() is None:  # checkpoint folders, but none that orbax lists as complete
+        raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out))
+    # Into shapes and shardings only: a ZeRO-3 restore builds no full (or even fresh) state.
+    stored, meta, _ = ckpt.restore_latest(
+        strategy.stored_target(strategy.abstract_state(example)),
+        check_meta=lambda m: check_fingerprint(m["fingerprint"], cfg.fingerprint(), ckpt.directory))
+    position, global_step = _resume_position(cfg, setup, meta, is_main)
+    if position >= end_position(cfg, setup.steps_per_epoch):
+        raise TrainError(f"the run in {cfg.out} already finished its {_length(cfg)} (step {global_step}): "
+                         f"nothing to resume")
+    if is_main:
+        print("jaxdp: " + resuming_message(global_step, position, setup.steps_per_epoch, cfg.global_batch_size,
+                                           len(setup.train_set)), file=sys.stderr, flush=True)
+    return strategy.from_stored(stored), position, global_step
+
+
+def _length(cfg: TrainConfig) -> str:
+    return f"{cfg.max_steps} step(s)" if cfg.max_steps is not None else f"{cfg.epochs} epoch(s)"
+
+
+def _resume_position(cfg: TrainConfig, setup, meta: dict, is_main: bool):
+    """((epoch, step in epoch), global step) to continue from, on this run's device count."""
+    steps_per_epoch = setup.steps_per_epoch
+    epoch, step = meta["epoch"], meta["step_in_epoch"]
+    global_step = meta.get("global_step", epoch * steps_per_epoch + step)
+    saved = meta.get("data")
+    if saved is None:  # written before the data position was recorded
+        return (epoch, min(step, steps_per_epoch)), global_step
+    now = data_position(cfg, setup, epoch, step)
+    if saved["permutation_sha256"] != now["permutation_sha256"] or saved["num_samples"] != now["num_samples"]:
+        raise CheckpointError(
+            f"cannot resume: epoch {epoch}'s sample order differs from the checkpoint's "
+            f"({saved['num_samples']} samples, order {saved['permutation_sha256']} vs now "
+            f"{now['num_samples']}, {now['permutation_sha256']}): the dataset or numpy's shuffle changed")
+    if saved["num_replicas"] != now["num_replicas"] and is_main:
+        print(f"jaxdp: resuming a run saved on {saved['num_replicas']} devices ({saved['processes']} process(es)) "
+              f"on {now['num_replicas']} ({now['processes']}): epoch {epoch} continues after its first "
+              f"{saved['samples_consumed']} samples, repartitioned over {now['num_replicas']} devices",
+              file=sys.stderr)
+    if saved["steps_per_epoch"] != steps_per_epoch:
+        warnings.warn(f"steps per epoch change from {saved['steps_per_epoch']} to {steps_per_epoch} on "
+                      f"{now['num_replicas']} devices (the dataset's {now['num_samples']} samples are padded to a "
+                      f"multiple of the device count): the epoch's ragged tail and the schedule's length change")
+    # A checkpoint at the very end of an epoch (before its evaluation) may lie past this
+    # device count's last step when the padding shrank: that epoch is then done.
+    return (epoch, min(step, steps_per_epoch)), global_step

@@ -1,0 +1,2 @@
+"""Where a program runs: XLA's device flags before jax loads (startup.py), joining a multi-process
+job (distributed.py), device meshes and batch placement (mesh.py), XLA compile options (compile_options.py)."""

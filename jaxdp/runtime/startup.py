@@ -1,0 +1,40 @@
+"""Start-up: the XLA and device flags, set before jax is imported.
+
+jax reads ``XLA_FLAGS`` once, when it is first imported. So the command line (``jaxdp.cli.command``)
+parses its arguments with jax-free modules only (the configuration tree), sets the flags
+here, and only then imports the modules that run the command; those import jax at module
+level. A script that simulates devices calls ``simulate_cpu_devices`` before its first
+``import jax``. Imports nothing of jaxdp (and no jax).
+"""
+
+import os
+from typing import Optional
+
+FORCE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Ask XLA for ``n`` host (CPU) devices: a no-op for GPUs, once jax runs, and when
+    XLA_FLAGS already fixes the count."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if FORCE_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FORCE_FLAG}={n}".strip()
+
+
+def with_device_count(flags: str, n: int) -> str:
+    """``flags`` (an XLA_FLAGS value) asking for ``n`` host devices instead of any count it gave."""
+    kept = " ".join(f for f in flags.split() if not f.startswith(FORCE_FLAG))
+    return f"{kept} {FORCE_FLAG}={n}".strip()
+
+
+def preset_device_count() -> Optional[str]:
+    """The XLA_FLAGS entry that fixed the host device count before this process could, if any."""
+    preset = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(FORCE_FLAG + "=")]
+    return preset[-1] if preset else None
+
+
+def configure(devices: Optional[int], processes: int = 1) -> None:
+    """The command's flags, before jax starts: ``devices`` in the whole job (``--devices``, or
+    the product of ``--mesh``), split evenly over its ``processes`` where it can be."""
+    if devices:
+        simulate_cpu_devices(devices // processes if devices % processes == 0 else devices)
