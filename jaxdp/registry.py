@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
 
 # DDP's gradient bucket cap in MiB, the one default of the CLI, the library and torch_ref.
-# None is torch DDP's own default: a 1 MiB first bucket, then 25 MiB (jaxdp.strategies.buckets).
+# None is torch DDP's own default: a 1 MiB first bucket, then 25 MiB (jaxdp.strategies.sync.buckets).
 BUCKET_CAP_MB: Optional[float] = None
 
 

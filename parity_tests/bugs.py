@@ -71,7 +71,7 @@ shard_grad_perturbation  ddp, async, zero1: ``sync.AllReduce.__call__`` (rank 0'
                          chunk the gathers' transposes summed on device 0; HSDP: device (0, 0)'s, before
                          the replica all-reduce); dp: ``dp.local_grads`` (chunk 0's gradient, before the
                          gather to device 0)
-error_feedback_dropped   ``jaxdp.strategies.compression.PowerSGD._compress``: ddp and zero1 (the strategies that take
+error_feedback_dropped   ``jaxdp.strategies.sync.powersgd.PowerSGD._compress``: ddp and zero1 (the strategies that take
                          ``--compress powersgd``)
 =======================  ==============================================================================
 
@@ -447,10 +447,10 @@ class Bug:
         return self.patches[cfg.strategy].applied()
 
 
-ALLREDUCE_BUCKET = Patch(["jaxdp.strategies.sync:AllReduce"], "reduce_bucket", _bucket_fed_n_times)
+ALLREDUCE_BUCKET = Patch(["jaxdp.strategies.sync.allreduce:AllReduce"], "reduce_bucket", _bucket_fed_n_times)
 STAGE3_DIVISION = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _fed_n_times)
 DDP_BUFFERS = Patch(_modules_calling_ddp_buffers, "ddp_buffers", _last_device_buffers)
-ALLREDUCE_INPUT = Patch(["jaxdp.strategies.sync:AllReduce"], "__call__", _perturbed_allreduce_input)
+ALLREDUCE_INPUT = Patch(["jaxdp.strategies.sync.allreduce:AllReduce"], "__call__", _perturbed_allreduce_input)
 STAGE3_CHUNKS = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _perturbed_chunk_before_division)
 
 BUGS: Dict[str, Bug] = {b.name: b for b in (
@@ -483,7 +483,7 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _perturbed_first_chunk_grads),
     }, 0, "grads", SHARD_TENSOR, requires=_needs_the_shard_tensor),
     Bug("error_feedback_dropped", "PowerSGD's error feedback computed without the old error",
-        dict.fromkeys(("ddp", "zero1"), Patch(["jaxdp.strategies.compression:PowerSGD"], "_compress", _error_feedback_dropped)),
+        dict.fromkeys(("ddp", "zero1"), Patch(["jaxdp.strategies.sync.powersgd:PowerSGD"], "_compress", _error_feedback_dropped)),
         lambda cfg: cfg.powersgd_start_iter + 1, "comm_state", "error", requires=_needs_two_compressed_steps),
 )}
 

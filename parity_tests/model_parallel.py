@@ -148,14 +148,14 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
 
     from jaxdp.interop import tree_to_torch_names
     from jaxdp.runtime.mesh import make_mesh
-    from jaxdp.strategies import create_strategy
+    from jaxdp.strategies import create_strategy, options_of
     from jaxdp.api.task import classifier
 
     axes = mesh_axes or {"data": cfg.data, "model": cfg.model}
     name = cfg.strategy if axes != {"data": 1} else "ddp"
     with jax.enable_x64(True), injected(bug):
         model, units = jax_model(cfg)
-        options = {**({"units": units} if name == "zero3" else {}), **(options or {})}
+        options = {**({"units": units} if "units" in options_of(name) else {}), **(options or {})}
         strategy = create_strategy(name, model, classifier(model), jax_optimizer(cfg), make_mesh(**axes),
                                    return_grads=True, **options)
         state = strategy.init_state(_variables(cfg, model, state_dict))

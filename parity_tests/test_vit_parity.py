@@ -20,6 +20,8 @@ float32 has 2.4e-6 at step 0 (ResNet: 5e-4, see compare.FLOAT32).
 
 import pytest
 
+from jaxdp import registry
+
 from parity_tests.config import ParityConfig
 from parity_tests.runner import run_parity
 from parity_tests.cases import assert_parity
@@ -29,15 +31,13 @@ TINY_VIT = dict(model="vit-tiny", depth=2, dim=20, heads=2, mlp_dim=40, patch=8,
 ADAMW_WARMUP_COSINE = dict(optimizer="adamw", lr=2e-3, weight_decay=0.05, schedule="warmup_cosine",
                            warmup_steps=4)
 STEPS = 10
-# hsdp's mesh at N=2 and N=3 can only be degenerate: all replicas (2, 1) or one replica (1, 3).
-HSDP_MESH = {2: (2, 1), 3: (1, 3)}
-STRATEGIES = ("ddp", "dp", "async", "zero1", "zero2", "zero3", "hsdp")
+STRATEGIES = registry.names()
 
 
 def vit_config(strategy, devices, dtype="float64", steps=STEPS):
-    mesh = {"mesh_shape": HSDP_MESH[devices]} if strategy == "hsdp" else {}
+    # hsdp's default mesh at N=2 and N=3 can only be degenerate: all replicas (2, 1) or one replica (1, 3).
     return ParityConfig(strategy=strategy, devices=devices, dtype=dtype, steps=steps,
-                        **TINY_VIT, **ADAMW_WARMUP_COSINE, **mesh)
+                        mesh_shape=registry.mesh_shape(strategy, devices), **TINY_VIT, **ADAMW_WARMUP_COSINE)
 
 
 @pytest.mark.slow

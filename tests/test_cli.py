@@ -25,8 +25,8 @@ def test_choices_are_the_libraries_own_lists():
     """The parser's jax-free lists (jaxdp.config.choices) name exactly what the library accepts."""
     import jaxdp.models
     import jaxdp.strategies
-    from jaxdp.strategies.collectives import ALL_REDUCES
-    from jaxdp.strategies.compression import COMPRESSORS
+    from jaxdp.strategies.sync.ring import ALL_REDUCES
+    from jaxdp.strategies.sync.allreduce import COMPRESSORS
     from jaxdp.data.datasets import DATASETS
     from jaxdp.optim import OPTIMIZERS, SCHEDULES
 

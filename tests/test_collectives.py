@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxdp.strategies.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: E402
+from jaxdp.strategies.sync.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: E402
 from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)

@@ -18,8 +18,9 @@ import pytest  # noqa: E402
 from helpers import TinyConvNet, max_rel_error, numpy_init as init, random_batch  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxdp.strategies.collectives import ring_all_reduce  # noqa: E402
-from jaxdp.strategies.compression import PowerSGD, low_precision_reduce  # noqa: E402
+from jaxdp.strategies.sync.ring import ring_all_reduce  # noqa: E402
+from jaxdp.strategies.sync.low_precision import low_precision_reduce  # noqa: E402
+from jaxdp.strategies.sync.powersgd import PowerSGD  # noqa: E402
 from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
 from jaxdp.api.task import classifier, cross_entropy  # noqa: E402
@@ -77,7 +78,7 @@ def ddp_reduced_grads(model, variables, x, y, n, **options):
 
 @pytest.mark.parametrize("compress,low", [("bf16", BF16), ("fp16", F16)])
 def test_low_precision_hook_equals_numpy_hook_math(compress, low):
-    """DDP's hook, bit for bit, with XLA:CPU's all-reduce rounding (see compression.py):
+    """DDP's hook, bit for bit, with XLA:CPU's all-reduce rounding (see sync/low_precision.py):
     bf16 rounds once, fp16 at every hop in device order. N = 3 pins the division by N
     in low precision (a division before the cast, or after the cast back, differs)."""
     model = TinyConvNet()
@@ -221,7 +222,7 @@ def _flat(tree):
 def test_powersgd_resumes_on_another_device_count_from_the_mean_error(tmp_path, name):
     """Checkpointed on 4 devices after two compressed steps, resumed on 2: each of the 2
     devices starts with the 4 devices' mean error and Q as saved (the rule in
-    compression.py's docstring), and the next three steps are the uninterrupted 4-device
+    sync/powersgd.py's docstring), and the next three steps are the uninterrupted 4-device
     run's: params, optimizer state, Q and mean error within 1e-12 (float64). Resumed with
     zero errors instead, the run is another one: the saved errors carry real state."""
     from jaxdp.run.checkpoint import Checkpointer

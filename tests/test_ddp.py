@@ -167,7 +167,7 @@ MIB_BYTES = 1024 * 1024
 
 
 def test_plan_buckets_is_torchs_bucket_assignment():
-    from jaxdp.strategies.buckets import plan_buckets
+    from jaxdp.strategies.sync.buckets import plan_buckets
 
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -177,7 +177,7 @@ def test_plan_buckets_is_torchs_bucket_assignment():
 
 
 def test_an_infinite_bucket_cap_is_one_bucket():
-    from jaxdp.strategies.buckets import bucket_limits, plan_buckets
+    from jaxdp.strategies.sync.buckets import bucket_limits, plan_buckets
 
     assert plan_buckets([3, 5, 7], bucket_limits(float("inf"))) == [[0, 1, 2]]
     assert len(plan_buckets([MIB_BYTES, MIB_BYTES], bucket_limits(1.0))) == 2  # a finite cap still cuts
@@ -187,7 +187,7 @@ def test_buckets_hold_grads_in_reverse_torch_parameter_order():
     """Grads as jax.grad returns them for a placed state (key-sorted dicts) go through ``bucketed``:
     each bucket must be the grads of torch's reversed ``named_parameters()``, cut where torch cuts."""
     from jaxdp.interop import param_name_map
-    from jaxdp.strategies.buckets import bucketed
+    from jaxdp.strategies.sync.buckets import bucketed
 
     model = tiny_resnet()
     strategy = ddp(model, optax.sgd(0.1), 2)

@@ -23,7 +23,7 @@ from test_zero import OPTIMIZERS, UNITS, assert_same_training, ddp, make, small_
 from jaxdp.config import choices
 from jaxdp.config.tree import TrainConfig
 from jaxdp.strategies import StrategyError, units
-from jaxdp.strategies.buckets import leaf_path
+from jaxdp.strategies.sync.buckets import leaf_path
 from jaxdp.run.setup import strategy_options
 
 pytestmark = pytest.mark.float64

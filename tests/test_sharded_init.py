@@ -14,7 +14,7 @@ import pytest
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import create_model, fsdp_units
 from jaxdp.strategies import create_strategy
-from jaxdp.strategies.buckets import leaf_path
+from jaxdp.strategies.sync.buckets import leaf_path
 from jaxdp.strategies.units import in_unit
 from jaxdp.api.task import classifier
 

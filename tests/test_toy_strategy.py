@@ -94,7 +94,7 @@ def test_bucket_cap_mb_has_one_default_the_cli_library_and_torch_ref_read():
 
     from jaxdp.config.tree import TrainConfig
     from jaxdp.strategies import options_of
-    from jaxdp.strategies.buckets import MIB, bucket_limits
+    from jaxdp.strategies.sync.buckets import MIB, bucket_limits
     from torch_ref.strategies import ddp as torch_ddp
 
     assert bucket_limits(registry.BUCKET_CAP_MB) == [1 * MIB, 25 * MIB]

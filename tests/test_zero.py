@@ -35,7 +35,7 @@ from jaxdp.models.resnet import BasicBlock, Bottleneck, ResNet, Stage  # noqa: E
 from jaxdp.models.vit import EncoderBlock  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import StrategyError, create_strategy, layout  # noqa: E402
-from jaxdp.strategies.buckets import leaf_path  # noqa: E402
+from jaxdp.strategies.sync.buckets import leaf_path  # noqa: E402
 from jaxdp.strategies.units import UnitError, Units, fsdp_unit, gather_on_use, in_unit, unit_paths  # noqa: E402
 from jaxdp.strategies.zero import ZeRO  # noqa: E402
 from jaxdp.api.task import classifier  # noqa: E402

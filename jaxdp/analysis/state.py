@@ -84,7 +84,7 @@ def root_params(strategy, params):
     the whole tree when it has no units; None for other strategies."""
     import jax
 
-    from jaxdp.strategies.buckets import leaf_path
+    from jaxdp.strategies.sync.buckets import leaf_path
     from jaxdp.strategies.units import in_unit
 
     if not strategy.sharded_params:
@@ -117,7 +117,7 @@ def state_bytes(state, strategy, params) -> dict:
 
 
 class _SyncSpy:
-    """A strategy's ``sync`` (``sync.AllReduce``) that records the bytes of what it returns."""
+    """A strategy's ``sync`` (``jaxdp.strategies.sync``) that records the bytes of what it returns."""
 
     def __init__(self, sync, seen: dict):
         self._sync, self._seen = sync, seen
@@ -125,8 +125,8 @@ class _SyncSpy:
     def __getattr__(self, name):
         return getattr(self._sync, name)
 
-    def __call__(self, *args, **kwargs):
-        grads, state = self._sync(*args, **kwargs)
+    def update(self, *args, **kwargs):
+        grads, state = self._sync.update(*args, **kwargs)
         self._seen.setdefault("sync", _nbytes(grads))
         return grads, state
 
@@ -188,7 +188,7 @@ def extra_formula(strategy, params, p: int) -> int:
     """Bytes of ``extra`` per device: async's k params copies; PowerSGD's error (pΨ) and Qs (cols·r each)."""
     import jax
 
-    from jaxdp.strategies.compression import leaf_name, matrix_shape
+    from jaxdp.strategies.sync.powersgd import leaf_name, matrix_shape
 
     psi = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     powersgd = _powersgd(strategy)
@@ -215,7 +215,7 @@ def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
     compressed one as its P (rows·r) and Q (cols·r)."""
     import jax
 
-    from jaxdp.strategies.compression import leaf_name, matrix_shape
+    from jaxdp.strategies.sync.powersgd import leaf_name, matrix_shape
 
     plan = _powersgd(strategy).plan(params)
     values = 0

@@ -58,7 +58,7 @@ from jaxdp.strategies import ddp
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.errors import StrategyError
-from jaxdp.strategies.sync import AllReduce
+from jaxdp.strategies.sync.allreduce import AllReduce
 
 # DDP's facts (the history, k params copies, is replicated ``extra``), but a twin only for k = 0.
 FACTS = dataclasses.replace(ddp.FACTS, name="async", twin_when={"staleness": 0},
@@ -125,7 +125,7 @@ class AsyncPS(Strategy):
         loss, grads, model_state, metrics = local_grads(
             self.task.loss_fn, self.params_read(state), state.model_state, batch, self.step_key(state.step),
             self.accum_steps)
-        grads, _ = self.sync(grads, None, state.step, self.axis, self.num_devices, self.param_order)  # the server's average
+        grads, _ = self.sync.update(grads, None, self.where(state.step))  # the server's average
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         extra = state.extra
         if self.staleness:

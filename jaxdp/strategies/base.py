@@ -24,7 +24,8 @@ from jaxdp.runtime.mesh import DATA_AXIS
 from jaxdp.parallel import pipeline, protocol, staged, tensor
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import conversions, layout
-from jaxdp.strategies.buckets import insertion_order_paths
+from jaxdp.strategies.sync import Where
+from jaxdp.strategies.sync.buckets import insertion_order_paths
 from jaxdp.strategies.device_math import as_tuple, device_index
 from jaxdp.strategies.device_math import (broadcast_from, ddp_buffers, local_grads, per_device,  # noqa: F401
                                           train_metrics)  # re-exported: parity_tests.bugs patches them here
@@ -276,6 +277,10 @@ class Strategy(StepReductions):
         typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
         self.rng_root = rng if typed else jax.random.wrap_key_data(rng)  # a raw uint32 key: the same bits
         self.engine.forget_step()  # a compiled step holds the old root as a constant
+
+    def where(self, step, **sharded) -> Where:
+        """What the gradient sync needs to know about this step (``sharded``: ZeRO's shards and buckets)."""
+        return Where(step, self.axis, self.num_devices, self.param_order, **sharded)
 
     def step_key(self, step):
         """The loss's key: unique to the step and the device's block of the global batch

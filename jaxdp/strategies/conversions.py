@@ -124,7 +124,7 @@ def stored_shardings(strategy, stored):
 
 def storer(strategy):
     """State -> stored values: canonical tensors, and ``extra`` in a form that does not depend
-    on the device count (PowerSGD's mean error: ``compression.PowerSGD.stored``)."""
+    on the device count (PowerSGD's mean error: ``sync.powersgd.PowerSGD.stored``)."""
     unpad, sync = unpadder(strategy), strategy.sync
 
     def convert(s):

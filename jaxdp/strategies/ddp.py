@@ -23,7 +23,7 @@ import optax
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.factsheet import Facts
-from jaxdp.strategies.sync import AllReduce, refuse_with_tensor_parallel
+from jaxdp.strategies.sync.allreduce import AllReduce, refuse_with_tensor_parallel
 
 FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)",
               traffic=lambda s: s.allreduce, traffic_text="{allreduce}")  # nothing is sharded: one all-reduce
@@ -53,7 +53,7 @@ class DDP(Strategy):
         params = jax.lax.pcast(state.params, self.axis, to="varying")  # each device's own grads
         loss, grads, model_state, metrics = local_grads(
             self.task.loss_fn, params, state.model_state, batch, self.step_key(state.step), self.accum_steps)
-        grads, extra = self.sync(grads, state.extra, state.step, self.axis, self.num_devices, self.param_order)
+        grads, extra = self.sync.update(grads, state.extra, self.where(state.step))
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         new_state = state.replace(
             step=state.step + 1,

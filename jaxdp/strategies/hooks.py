@@ -18,7 +18,7 @@ class StrategyHooks(Protocol):
     batch_axes: Union[str, Tuple[str, ...]]  # mesh axes the batch is split over (HSDP: replica and data)
     model_parallel: bool  # runs beside a model or stage axis (dp and async do not)
     check_vma: bool  # trace the step with JAX's varying/invariant types (a ring all-reduce turns them off)
-    sync: Optional[Any]  # the gradient sync transform (``sync.AllReduce``); it owns ``state.extra`` when stateful
+    sync: Optional[Any]  # the gradient sync transform (``jaxdp.strategies.sync``); it owns ``state.extra`` when stateful
     engine_class: type  # ``engine.ShardMapEngine``; ``dp``: ``pmap_engine.PmapEngine``
 
     # -- per device, inside the engine's program --------------------------------------------------

@@ -52,9 +52,10 @@ from jaxdp.strategies import layout
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.errors import StrategyError
-from jaxdp.strategies.buckets import leaf_path, plan_buckets, reduction_order
+from jaxdp.strategies.sync.buckets import bucket_groups, leaf_path
 from jaxdp.strategies.factsheet import Facts
-from jaxdp.strategies.sync import AllReduce, refuse_with_tensor_parallel
+from jaxdp.strategies.sync.allreduce import AllReduce, bucket_limits, refuse_with_tensor_parallel
+from jaxdp.strategies.sync.sharded import GatherOnUse, ReduceScatter, all_gather
 from jaxdp.strategies.units import REMATS, Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 # Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
@@ -135,8 +136,10 @@ class ZeRO(Strategy):
             raise StrategyError("zero3 units are gathered module by module; on pipeline stages each stage's "
                                 "params are one vector, gathered whole: drop units")
         refuse_with_tensor_parallel(self, allreduce, compress)
-        self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
-                              powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
+        self.limits = bucket_limits(bucket_cap_mb)  # the params' all-gather and zero2's reduce-scatter buckets
+        self.sync = (AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
+                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options) if stage == 1
+                     else ReduceScatter() if stage == 2 else GatherOnUse(REPLICA_AXIS if hsdp else None))
         self.check_vma = allreduce != "ring"
         self.units, self.remat = Units(units), remat
         self.unit_paths = None
@@ -185,15 +188,11 @@ class ZeRO(Strategy):
         return jax.lax.pcast(params, REPLICA_AXIS, to="varying") if self.hsdp else params
 
     def chunk_of_average(self, grads, state):
-        """This device's chunk of the averaged gradient, and the sync's new state, by what the
-        stage's facts shard: gradients with the params (stage 3, HSDP), gradients only (stage 2),
-        neither (stage 1: DDP's all-reduce, then this device's chunk)."""
-        if self.sharded_params:
-            return self.average_chunks(grads), state.extra
-        if "grads" in self.facts.sharded:
-            return self.reduce_scatter(grads), state.extra
-        grads, extra = self.sync(grads, state.extra, state.step, self.axis, self.num_devices, self.param_order)
-        return self.my_chunks(grads), extra
+        """This device's chunk of the averaged gradient, and the sync's new state: zero2, zero3 and
+        HSDP sync straight to chunks; zero1 all-reduces as DDP, then takes its chunk."""
+        where = self.where(state.step, shards=self.shards, groups=self.bucket_groups())
+        grads, extra = self.sync.update(grads, state.extra, where)
+        return (grads if "grads" in self.facts.sharded else self.my_chunks(grads)), extra
 
     def local_eval(self, state, batch):
         # As in training, one unit's params at a time: evaluation must fit where training does.
@@ -229,13 +228,6 @@ class ZeRO(Strategy):
                 return loss_fn(params, model_state, batch, key)
         return run
 
-    def average_chunks(self, grads):
-        """Stage 3: this device's chunk of the averaged gradient. The gathers' transposes have
-        already reduce-scattered (summed) it over the shard group: only divide by N, and for
-        HSDP sum across the replicas, ``psum(g / N, "replica")``."""
-        grads = jax.tree_util.tree_map(lambda g: g / self.num_devices, grads)
-        return jax.lax.psum(grads, REPLICA_AXIS) if self.hsdp else grads
-
     def my_chunks(self, tree):
         """This device's chunk of every tensor of a tree all devices hold whole."""
         return jax.tree_util.tree_map(lambda x: layout.my_chunk(x, self.axis, self.shards), tree)
@@ -244,39 +236,11 @@ class ZeRO(Strategy):
         """Full tensors from every device's chunks: one all-gather per DDP-sized bucket (or per tensor)."""
         shapes = [s.shape for s in jax.tree_util.tree_leaves(self.local_shapes)]
         groups = [[i] for i in range(len(shapes))] if per_tensor else self.bucket_groups()
-        leaves, treedef = jax.tree_util.tree_flatten(chunks)
-        out = [None] * len(leaves)
-        for group in groups:
-            gathered = layout.gather_group([leaves[i] for i in group], [shapes[i] for i in group], self.axis,
-                                           self.shards)
-            for i, y in zip(group, gathered):
-                out[i] = y
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    def reduce_scatter(self, grads):
-        """Each device's chunk of the averaged gradient ``psum_scatter(g / N)``, one collective per DDP bucket."""
-        scaled = jax.tree_util.tree_map(lambda g: g / self.num_devices, grads)
-        return layout.map_groups(lambda gs: layout.scatter_group(gs, self.axis, self.shards), scaled,
-                                 self.bucket_groups())
+        return all_gather(chunks, shapes, groups, self.axis, self.shards)
 
     def bucket_groups(self):
         """DDP's buckets (reverse definition order, torch's sizes) as groups of leaf indices."""
-        local = self.local_shapes
-        paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(local)]
-        leaves = jax.tree_util.tree_leaves(local)
-        index = {p: i for i, p in enumerate(paths)}
-        ids = [index[p] for p in reduction_order(local, self.param_order)]
-        sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in ids]
-        groups = [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, self.sync.limits)]
-        if self.model_split is None:
-            return groups
-        # A bucket moves as one concatenated array, and an array that mixes model slices with
-        # replicated tensors is typed as varying over the model axis as a whole: so the split
-        # and the replicated members of each bucket travel in separate collectives.
-        split = [self.model_split.dim("/".join(map(str, ("params",) + paths[i])), leaves[i].shape) is not None
-                 for i in range(len(leaves))]
-        return [part for g in groups for part in ([i for i in g if split[i]], [i for i in g if not split[i]]) if part]
-
+        return bucket_groups(self.local_shapes, self.param_order, self.limits, self.model_split)
 
 def default_hsdp_shape(devices) -> tuple:
     """(replicas, shards) for these devices when the user names none: one shard group per host

@@ -1,27 +1,28 @@
-"""Gradient synchronisation as a small transform with its own state, as optax's are.
+"""DDP's gradient sync: every device gets the average, one collective per bucket.
 
 ``AllReduce`` is DDP's communication hook: it turns each device's gradient into the
 average over the data axis, one collective per bucket (``buckets.py``: torch's order and
 sizes). Its options are torch's hooks:
 
 - ``allreduce="ring"``: each bucket summed with explicit ppermute ring steps
-  (``jaxdp.strategies.collectives``) instead of XLA's all-reduce;
+  (``jaxdp.strategies.sync.ring``) instead of XLA's all-reduce;
 - ``compress="bf16"|"fp16"``: torch's ``bf16_compress_hook``/``fp16_compress_hook``;
 - ``compress="powersgd"``: torch's ``powerSGD_hook`` (rank ``powersgd_rank``, other
   ``PowerSGDState`` settings in ``powersgd_options``) with its error feedback and Qs as
   the transform's state.
 
-``init(params, n) -> state`` and ``__call__(grads, state, step, axis, n, order) ->
-(averaged grads, state)``; ``specs(axis)`` says where the state lives. Any strategy that
-all-reduces (DDP, async, ZeRO-1) composes it.
+A transform as the package's others (``jaxdp.strategies.sync``); its state is PowerSGD's, or None.
+Any strategy that all-reduces (DDP, async, ZeRO-1) composes it.
 """
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.strategies import collectives, compression
-from jaxdp.strategies import buckets
+from jaxdp.strategies.sync import Where, buckets, low_precision, powersgd, ring
 from jaxdp.strategies.errors import StrategyError
+
+
+COMPRESSORS = (None, "bf16", "fp16", "powersgd")  # low_precision.py's two, powersgd.py
 
 
 class SyncError(StrategyError):
@@ -31,15 +32,12 @@ class SyncError(StrategyError):
 class AllReduce:
     def __init__(self, *, bucket_cap_mb=None, allreduce: str = "psum", compress=None, powersgd_rank: int = 1,
                  powersgd_options=None):
-        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
-            raise SyncError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        if compress not in compression.COMPRESSORS:
+        if compress not in COMPRESSORS:
             raise SyncError(f"unknown compress {compress!r}; choose bf16, fp16 or powersgd")
-        # None: torch's defaults, 25 MiB with a 1 MiB first bucket; a number: every bucket that size.
-        self.limits = buckets.bucket_limits(bucket_cap_mb)
+        self.limits = bucket_limits(bucket_cap_mb)
         try:
-            self.sum_fn = collectives.all_reduce_fn(allreduce)
-            self.powersgd = (compression.PowerSGD(powersgd_rank, **(powersgd_options or {}))
+            self.sum_fn = ring.all_reduce_fn(allreduce)
+            self.powersgd = (powersgd.PowerSGD(powersgd_rank, **(powersgd_options or {}))
                              if compress == "powersgd" else None)
         except ValueError as e:
             raise SyncError(str(e)) from None
@@ -60,23 +58,31 @@ class AllReduce:
         return self.powersgd.stored(state) if self.powersgd else state
 
     def from_stored(self, stored, n: int):
-        """The checkpoint form -> the state for ``n`` devices (PowerSGD's rule: ``compression.py``)."""
+        """The checkpoint form -> the state for ``n`` devices (PowerSGD's rule: ``powersgd.py``)."""
         return self.powersgd.from_stored(stored, n) if self.powersgd else stored
 
     def reduce_bucket(self, grads, axis, n: int):
         """Average one bucket (a list of gradients) over ``axis``: one collective, as DDP's default hook."""
-        if self.compress in compression.LOW_PRECISION:
-            return compression.low_precision_reduce(grads, compression.LOW_PRECISION[self.compress], n, axis,
+        if self.compress in low_precision.LOW_PRECISION:
+            return low_precision.low_precision_reduce(grads, low_precision.LOW_PRECISION[self.compress], n, axis,
                                                     self.sum_fn)
         return self.sum_fn([g / n for g in grads], axis)
 
-    def __call__(self, grads, state, step, axis, n: int, order):
+    def update(self, grads, state, where: Where):
         def vanilla(g):
-            return buckets.bucketed(g, lambda b: self.reduce_bucket(b, axis, n), order, self.limits)
+            return buckets.bucketed(g, lambda b: self.reduce_bucket(b, where.axis, where.n), where.order, self.limits)
         if self.powersgd is None:
             return vanilla(grads), state
         # step counts updates = hook calls: torch's PowerSGDState.iter.
-        return self.powersgd.reduce(grads, state, step, axis, self.sum_fn, vanilla)
+        return self.powersgd.reduce(grads, state, where.step, where.axis, self.sum_fn, vanilla)
+
+
+def bucket_limits(bucket_cap_mb=None):
+    """torch's bucket sizes in bytes for ``bucket_cap_mb`` (None: torch's defaults, 25 MiB with a 1 MiB
+    first bucket; a number: every bucket that size), refused in one line where not positive."""
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+        raise SyncError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    return buckets.bucket_limits(bucket_cap_mb)
 
 
 def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:

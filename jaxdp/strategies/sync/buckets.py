@@ -32,6 +32,7 @@ import sys
 from typing import Callable, List, Sequence, Tuple
 
 import jax
+import numpy as np
 
 MIB = 1024 * 1024
 DEFAULT_CAP_MB = 25.0  # torch's _DEFAULT_BUCKET_CAP_MB
@@ -117,6 +118,25 @@ def bucketed(grads, reduce_bucket: Callable, order: Sequence[Path], limits: Sequ
         for i, x in zip(bucket, reduce_bucket([leaves[i] for i in bucket])):
             reduced[paths[i]] = x
     return jax.tree_util.tree_map_with_path(lambda p, _: reduced[leaf_path(p)], grads)
+
+
+def bucket_groups(local_shapes, order: Sequence[Path], limits: Sequence[int], model_split=None) -> List[List[int]]:
+    """DDP's buckets of a params-shaped tree (reverse definition order, torch's sizes) as groups of
+    leaf indices (``jax.tree_util.tree_leaves`` order): what ZeRO's reduce-scatter and all-gather move at once."""
+    paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(local_shapes)]
+    leaves = jax.tree_util.tree_leaves(local_shapes)
+    index = {p: i for i, p in enumerate(paths)}
+    ids = [index[p] for p in reduction_order(local_shapes, order)]
+    sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in ids]
+    groups = [[ids[j] for j in bucket] for bucket in plan_buckets(sizes, limits)]
+    if model_split is None:
+        return groups
+    # A bucket moves as one concatenated array, and an array that mixes model slices with
+    # replicated tensors is typed as varying over the model axis as a whole: so the split
+    # and the replicated members of each bucket travel in separate collectives.
+    split = [model_split.dim("/".join(map(str, ("params",) + paths[i])), leaves[i].shape) is not None
+             for i in range(len(leaves))]
+    return [part for g in groups for part in ([i for i in g if split[i]], [i for i in g if not split[i]]) if part]
 
 
 def leaf_path(keypath) -> Path:
