@@ -1,5 +1,7 @@
-"""Small shared pieces for the tests: tiny models, random batches, tree comparison."""
+"""Small shared pieces for the tests: tiny models, random batches, tree comparison, jax's compile log."""
 
+import contextlib
+import logging
 import re
 from collections import Counter
 
@@ -162,3 +164,24 @@ def step_collectives_by_axis(strategy, batch):
             groups = re.search(r"replica_groups=(\{\{[\d,{}]*\}\})", line)
             counts[(op.group(1), "model" if groups and groups.group(1) == model_groups else "data")] += 1
     return counts
+
+
+@contextlib.contextmanager
+def jax_compile_log(lines):
+    """jax's "Finished tracing / lowering / compilation of ..." lines, appended to ``lines``."""
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler, logger = Keep(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def compiles_of(lines, name: str) -> int:
+    """How many times ``jit(name)`` was compiled in a compile log."""
+    return sum(line.startswith(f"Finished XLA compilation of jit({name})") for line in lines)

@@ -2,7 +2,6 @@
 scalars equal to metrics.jsonl, a profiler trace, MFU and memory in the records, the time to
 the first step, and the compilation cache's directory rules. One tiny run serves most checks."""
 
-import contextlib
 import glob
 import math
 import os
@@ -12,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import jax_compile_log
 from jaxdp.config.tree import TrainConfig
 from jaxdp.run.train import train
 
@@ -30,24 +30,6 @@ def run(tmp_path_factory):
 
 
 COMPILE_LOG = []  # jax's compile log lines of ``run``
-
-
-@contextlib.contextmanager
-def jax_compile_log(lines):
-    """jax's "Finished tracing / lowering / compilation of ..." lines, appended to ``lines``."""
-    import logging
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    handler, logger = Keep(), logging.getLogger("jax")
-    logger.addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            yield
-    finally:
-        logger.removeHandler(handler)
 
 
 def records(out, kind=None):

@@ -52,9 +52,11 @@ class ShardMapEngine:
         params, model_state = init_params(rng)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                            opt_state=init_opt(params), extra=s.init_extra(s.shapes))
-        if state.extra is not None:
-            state = state.replace(extra=jax.device_put(state.extra, s.state_shardings(state).extra))
-        return state
+        # The counter and the sync's state start where the step puts them: an unplaced counter made
+        # the second step see new input shardings, and trace and compile the whole step again.
+        placed = s.state_shardings(state)
+        return state.replace(step=jax.device_put(state.step, placed.step),
+                             extra=None if state.extra is None else jax.device_put(state.extra, placed.extra))
 
     def init_programs(self, example_batch):
         """The two jitted programs ``init`` runs: ``rng -> (params, model_state)`` and
