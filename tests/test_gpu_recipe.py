@@ -3,7 +3,7 @@ than today's defaults do: its optimiser, learning rate and schedule, on a CPU-si
 
 The file is read as ``jaxdp train --config`` reads it, and only what makes the run CPU-sized is
 overridden on the command line (model size, data, run length, warmup in proportion). Both runs
-are built by ``jaxdp.train_setup.build``, the code ``jaxdp train`` runs, so the optimiser and
+are built by ``jaxdp.run.setup.build``, the code ``jaxdp train`` runs, so the optimiser and
 schedule are the CLI's own. The defaults run is the same run with every optimisation option at
 the CLI's default: lr 0.1 and a cosine without warmup or Nesterov, where the recipe has lr 0.2 =
 0.1 x 512 / 256 (Goyal et al.), a linear warmup and Nesterov momentum.
@@ -22,12 +22,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdp.cli import build_parser, config_from_args, with_file_options
-from jaxdp.config import TrainConfig
+from jaxdp.cli.command import build_parser, config_from_args, with_file_options
+from jaxdp.config.tree import TrainConfig
 from jaxdp.data.arrays import ArrayDataset
 from jaxdp.data.loader import epoch_batches, steps_per_epoch
-from jaxdp.train import evaluate
-from jaxdp.train_setup import build
+from jaxdp.run.train import evaluate
+from jaxdp.run.setup import build
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "resnet18-cifar10-gpu.toml")
 CIFAR10_TRAIN = 50_000  # images: the recipe's epochs count these
