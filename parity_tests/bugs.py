@@ -55,8 +55,9 @@ Where each is patched, per strategy:
 same_padding             ``resnet.model._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
 biased_var               ``resnet.model.BatchNorm``: every strategy
 missing_1_over_n         ddp, async, zero1: ``sync.AllReduce.reduce_bucket`` (the bucketed all-reduce they
-                         all compose); zero2: ``ZeRO.reduce_scatter``; zero3, hsdp: ``ZeRO.average_chunks``
-                         (the division after the gathers' transposes reduce-scattered the grads);
+                         all compose); zero2: ``sync.ReduceScatter.update``; zero3, hsdp:
+                         ``sync.GatherOnUse.update`` (the division after the gathers' transposes
+                         reduce-scattered the grads);
                          dp: ``dp.gather_to_first`` (the sum on device 0)
 wrong_shard_bn           ddp, async, zero1, zero2, zero3, hsdp: ``ddp_buffers`` in every strategy module
                          that imported it (whichever module's step runs); dp: ``dp.local_grads``'s model state
@@ -65,9 +66,9 @@ late_lr_schedule         ``jaxdp.optim.make_schedule`` (the runner builds jaxdp'
 adam_bias_correction     ``optax._src.transform.scale_by_adam``, which ``optax.adam``/``optax.adamw``
                          (``jaxdp.optim.make_optimizer``'s chains) call when the optimizer is built: every
                          strategy (ZeRO runs the same transform on its chunks)
-shard_grad_perturbation  ddp, async, zero1: ``sync.AllReduce.__call__`` (rank 0's gradient before the
-                         buckets: its contribution to the sum); zero2: ``ZeRO.reduce_scatter``'s output
-                         (device 0's averaged chunk); zero3, hsdp: ``ZeRO.average_chunks``'s input (the
+shard_grad_perturbation  ddp, async, zero1: ``sync.AllReduce.update`` (rank 0's gradient before the
+                         buckets: its contribution to the sum); zero2: ``sync.ReduceScatter.update``'s output
+                         (device 0's averaged chunk); zero3, hsdp: ``sync.GatherOnUse.update``'s input (the
                          chunk the gathers' transposes summed on device 0; HSDP: device (0, 0)'s, before
                          the replica all-reduce); dp: ``dp.local_grads`` (chunk 0's gradient, before the
                          gather to device 0)
@@ -205,12 +206,13 @@ def _times_n(tree, n):
     return jax.tree_util.tree_map(lambda v: v * n, tree)
 
 
-def _fed_n_times(original):
-    """A reduction method ``(self, x)`` that divides by N, fed N x: it sums. BUG: psum(g), not psum(g / N)."""
-    def method(self, x, *args, **kwargs):
-        return original(self, _times_n(x, self.num_devices), *args, **kwargs)
+def _sync_fed_n_times(original):
+    """A gradient sync's ``update(self, grads, state, where)``, which divides by N, fed N x: it sums.
+    BUG: psum(g), not psum(g / N)."""
+    def update(self, grads, state, where):
+        return original(self, _times_n(grads, where.n), state, where)
 
-    return method
+    return update
 
 
 def _bucket_fed_n_times(original):
@@ -327,27 +329,30 @@ def _on_first_device_perturbed(tree, axes):
 
 
 def _perturbed_allreduce_input(original):
-    """``AllReduce.__call__`` with rank 0's contribution to one tensor 1e-6 too large."""
-    def __call__(self, grads, state, step, axis, n, order):
-        return original(self, _on_first_device_perturbed(grads, axis), state, step, axis, n, order)
+    """``AllReduce.update`` with rank 0's contribution to one tensor 1e-6 too large."""
+    def update(self, grads, state, where):
+        return original(self, _on_first_device_perturbed(grads, where.axis), state, where)
 
-    return __call__
+    return update
 
 
 def _perturbed_reduce_scatter_output(original):
-    """ZeRO-2's ``reduce_scatter`` with device 0's averaged chunk of one tensor 1e-6 too large."""
-    def reduce_scatter(self, grads):
-        return _on_first_device_perturbed(original(self, grads), self.axis)
+    """ZeRO-2's ``ReduceScatter.update`` with device 0's averaged chunk of one tensor 1e-6 too large."""
+    def update(self, grads, state, where):
+        chunks, state = original(self, grads, state, where)
+        return _on_first_device_perturbed(chunks, where.axis), state
 
-    return reduce_scatter
+    return update
 
 
 def _perturbed_chunk_before_division(original):
-    """ZeRO-3/HSDP's ``average_chunks`` fed (global) device 0's summed chunk of one tensor 1e-6 too large."""
-    def average_chunks(self, grads):
-        return original(self, _on_first_device_perturbed(grads, self.batch_axes))
+    """ZeRO-3/HSDP's ``GatherOnUse.update`` fed (global) device 0's summed chunk of one tensor 1e-6
+    too large (HSDP: device (0, 0)'s, over replica and data)."""
+    def update(self, grads, state, where):
+        axes = (self.replica_axis, where.axis) if self.replica_axis else where.axis
+        return original(self, _on_first_device_perturbed(grads, axes), state, where)
 
-    return average_chunks
+    return update
 
 
 def _perturbed_first_chunk_grads(original):
@@ -448,10 +453,10 @@ class Bug:
 
 
 ALLREDUCE_BUCKET = Patch(["jaxdp.strategies.sync.allreduce:AllReduce"], "reduce_bucket", _bucket_fed_n_times)
-STAGE3_DIVISION = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _fed_n_times)
+STAGE3_DIVISION = Patch(["jaxdp.strategies.sync.sharded:GatherOnUse"], "update", _sync_fed_n_times)
 DDP_BUFFERS = Patch(_modules_calling_ddp_buffers, "ddp_buffers", _last_device_buffers)
-ALLREDUCE_INPUT = Patch(["jaxdp.strategies.sync.allreduce:AllReduce"], "__call__", _perturbed_allreduce_input)
-STAGE3_CHUNKS = Patch(["jaxdp.strategies.zero:ZeRO"], "average_chunks", _perturbed_chunk_before_division)
+ALLREDUCE_INPUT = Patch(["jaxdp.strategies.sync.allreduce:AllReduce"], "update", _perturbed_allreduce_input)
+STAGE3_CHUNKS = Patch(["jaxdp.strategies.sync.sharded:GatherOnUse"], "update", _perturbed_chunk_before_division)
 
 BUGS: Dict[str, Bug] = {b.name: b for b in (
     Bug("same_padding", "'SAME' padding on the stride-2 convs",
@@ -461,7 +466,7 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         "running_var"),
     Bug("missing_1_over_n", "gradient reduction without 1/N", {
         "ddp": ALLREDUCE_BUCKET, "async": ALLREDUCE_BUCKET, "zero1": ALLREDUCE_BUCKET,
-        "zero2": Patch(["jaxdp.strategies.zero:ZeRO"], "reduce_scatter", _fed_n_times),
+        "zero2": Patch(["jaxdp.strategies.sync.sharded:ReduceScatter"], "update", _sync_fed_n_times),
         "zero3": STAGE3_DIVISION, "hsdp": STAGE3_DIVISION,
         "dp": Patch(["jaxdp.strategies.dp"], "gather_to_first", _unweighted_gather_to_first),
     }, 0, "grads", requires=_needs_several_devices),
@@ -478,7 +483,7 @@ BUGS: Dict[str, Bug] = {b.name: b for b in (
         0, "params", requires=_needs_adam),
     Bug("shard_grad_perturbation", f"device 0's gradient chunk of {SHARD_TENSOR} off by 1e-6 (relative)", {
         "ddp": ALLREDUCE_INPUT, "async": ALLREDUCE_INPUT, "zero1": ALLREDUCE_INPUT,
-        "zero2": Patch(["jaxdp.strategies.zero:ZeRO"], "reduce_scatter", _perturbed_reduce_scatter_output),
+        "zero2": Patch(["jaxdp.strategies.sync.sharded:ReduceScatter"], "update", _perturbed_reduce_scatter_output),
         "zero3": STAGE3_CHUNKS, "hsdp": STAGE3_CHUNKS,
         "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _perturbed_first_chunk_grads),
     }, 0, "grads", SHARD_TENSOR, requires=_needs_the_shard_tensor),

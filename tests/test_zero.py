@@ -548,6 +548,35 @@ def test_hsdp_mesh_options():
         make("zero3", model, tx, 8, mesh_shape=(2, 4))
 
 
+def test_replicate_x_shard_is_a_degree_of_the_mesh():
+    """zero3 on a mesh with replica > 1 is HSDP, the same strategy as hsdp on it; a strategy without
+    a replica degree refuses one in one line instead of splitting the batch over data alone."""
+    model, tx = small_resnet(), OPTIMIZERS["sgd"]()
+    mesh = make_mesh(replica=2, data=4)
+    kept = [create_strategy(name, model, classifier(model), tx, mesh) for name in ("zero3", "hsdp")]
+    for s in kept:
+        assert (s.name, s.batch_axes, s.num_devices, s.shards, s.mesh) == ("hsdp", ("replica", "data"), 8, 4, mesh)
+    for name in ("ddp", "zero1", "zero2", "async", "dp"):
+        with pytest.raises(StrategyError, match=f"^{name} has no replica degree, but the mesh has replica=2"):
+            create_strategy(name, model, classifier(model), tx, mesh)
+
+
+def test_mesh_shape_is_the_mesh_written_short():
+    """``jaxdp train --mesh-shape R,S`` splits the data axis into the mesh's replica x data
+    degrees: the same mesh as ``--mesh replica=R,data=S`` (axes beside data kept)."""
+    from jaxdp.run.setup import _make_mesh
+    from jaxdp.runtime.mesh import MeshError
+
+    def layout_of(mesh):
+        return dict(mesh.shape), [d.id for d in mesh.devices.flat]
+
+    assert layout_of(_make_mesh(8, None, (2, 4))) == layout_of(_make_mesh(None, "replica=2,data=4")) == \
+        ({"replica": 2, "data": 4}, list(range(8)))
+    assert layout_of(_make_mesh(None, "data=4,model=2", (2, 2))) == layout_of(_make_mesh(None, "replica=2,data=2,model=2"))
+    with pytest.raises(MeshError, match="R\\*S = 4"):
+        _make_mesh(None, "data=4,model=2", (3, 2))
+
+
 def test_hsdp_default_mesh_is_hosts_by_devices_per_host(monkeypatch):
     """Multi-host: one replica per host, shards within it (a row of the mesh is a host), in
     jaxdp and in torch_ref alike; one host: (2, N/2), odd N (1, N)."""

@@ -57,7 +57,7 @@ def build(cfg: TrainConfig) -> Setup:
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     check_choice("schedule", cfg.schedule, SCHEDULES)
     options = strategy_options(cfg)
-    mesh = _make_mesh(cfg.devices, cfg.mesh)
+    mesh = _make_mesh(cfg.devices, cfg.mesh, options.pop("mesh_shape", None))
     n = data_parallel_size(mesh)
     per_device = per_device_batch(cfg, n)
     pipeline = _pipeline_options(cfg, mesh, per_device)
@@ -97,11 +97,15 @@ def _pipeline_options(cfg: TrainConfig, mesh, per_device: int) -> dict:
     return {"microbatches": m}
 
 
-def _make_mesh(devices: Optional[int], named: Optional[str] = None):
+def _make_mesh(devices: Optional[int], named: Optional[str] = None, mesh_shape=None):
     """``make_mesh``, saying so when ``--devices N`` could not simulate N CPU devices
-    because XLA_FLAGS already fixed their count."""
-    if named is not None:
-        sizes = parse_mesh(named)
+    because XLA_FLAGS already fixed their count. ``--mesh-shape R,S`` is the mesh's replica x
+    data degrees written short: it splits the data axis (one mesh, whichever way it is spelled)."""
+    sizes = None
+    if named is not None or mesh_shape is not None:
+        sizes = parse_mesh(named) if named is not None else {DATA_AXIS: devices or len(jax.devices())}
+        if mesh_shape is not None:
+            sizes = _with_replicas(sizes, mesh_shape)
         devices = math.prod(sizes.values())
 
     available = jax.devices()
@@ -109,7 +113,16 @@ def _make_mesh(devices: Optional[int], named: Optional[str] = None):
     if devices and devices > len(available) and preset and available[0].platform == "cpu":
         raise MeshError(f"asked for {devices} devices but only {len(available)} are available: XLA_FLAGS "
                         f"sets {preset}, which --devices does not override; change or unset it")
-    return make_mesh(**sizes) if named is not None else make_mesh(devices)
+    return make_mesh(**sizes) if sizes is not None else make_mesh(devices)
+
+
+def _with_replicas(sizes: dict, mesh_shape) -> dict:
+    """``sizes`` with its data-parallel devices split into ``mesh_shape`` = (replicas, shards)."""
+    r, s = (int(x) for x in mesh_shape)
+    n = sizes.get(DATA_AXIS, 1) * sizes.get(REPLICA_AXIS, 1)
+    if r < 1 or s < 1 or r * s != n:
+        raise MeshError(f"--mesh-shape {r},{s} must be two positive sizes R,S with R*S = {n} data-parallel devices")
+    return {**sizes, REPLICA_AXIS: r, DATA_AXIS: s}
 
 
 def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:

@@ -119,7 +119,7 @@ class Strategy(StepReductions):
             self.compiler_options = compile_options.resolve(compiler_options, mesh.devices.flat[0].platform)
         except compile_options.CompileOptionsError as e:
             raise StrategyError(str(e)) from None
-        _check_model_parallel_axes(self, mesh)
+        _check_mesh_axes(self, mesh)
         try:
             tensor_parallel = tensor.for_mesh(model, mesh, tp_plan)  # over the mesh's model axis, if any
             self.pp = pipeline.for_mesh(model, mesh, microbatches, as_tuple(self.batch_axes))  # its stage axis
@@ -291,8 +291,14 @@ class Strategy(StepReductions):
         return jax.random.fold_in(key, device_index(self.batch_axes))
 
 
-def _check_model_parallel_axes(strategy, mesh) -> None:
-    from jaxdp.runtime.mesh import MODEL_AXIS, STAGE_AXIS, axis_size
+def _check_mesh_axes(strategy, mesh) -> None:
+    from jaxdp.runtime.mesh import MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS, axis_size
+
+    replicas = axis_size(mesh, REPLICA_AXIS)
+    if replicas > 1 and REPLICA_AXIS not in as_tuple(strategy.batch_axes):
+        # Its batch would be split over data alone while the loader splits it over replica x data too.
+        raise StrategyError(f"{strategy.name} has no replica degree, but the mesh has replica={replicas}: "
+                            f"replicate x shard is zero3's (hsdp); give {strategy.name} the devices as data=N")
 
     for axis in (MODEL_AXIS, STAGE_AXIS):
         if axis_size(mesh, axis) > 1 and not strategy.model_parallel:

@@ -47,7 +47,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdp import registry
-from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS
+from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, axis_size
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
@@ -121,6 +121,8 @@ class ZeRO(Strategy):
                  bucket_cap_mb=None,
                  allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
                  hsdp: bool = False, **kwargs):
+        # Replicate x shard is a degree of the mesh: ZeRO-3 on a mesh with replica > 1 is HSDP.
+        hsdp = hsdp or (stage == 3 and axis_size(mesh, REPLICA_AXIS) > 1)
         self.stage, self.hsdp = stage, hsdp
         self.facts = facts_for(stage, hsdp)
         if remat not in REMATS:
