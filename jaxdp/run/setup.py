@@ -20,7 +20,8 @@ from jaxdp.config.tree import (TrainConfig, TrainError, batchnorm_batch_error, c
 from jaxdp.data import load_dataset
 from jaxdp.runtime.distributed import join_job
 from jaxdp.config.flags import flag_name
-from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, STAGE_AXIS, MeshError, axis_size, make_mesh, parse_mesh
+from jaxdp.runtime.mesh import (DATA_AXIS, REPLICA_AXIS, STAGE_AXIS, MeshError, axis_size, make_mesh, parse_mesh,
+                                replica_split)
 from jaxdp.models import ModelError, create_model, fsdp_units
 from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
 from jaxdp.run.perf import enable_compile_cache
@@ -118,10 +119,8 @@ def _make_mesh(devices: Optional[int], named: Optional[str] = None, mesh_shape=N
 
 def _with_replicas(sizes: dict, mesh_shape) -> dict:
     """``sizes`` with its data-parallel devices split into ``mesh_shape`` = (replicas, shards)."""
-    r, s = (int(x) for x in mesh_shape)
     n = sizes.get(DATA_AXIS, 1) * sizes.get(REPLICA_AXIS, 1)
-    if r < 1 or s < 1 or r * s != n:
-        raise MeshError(f"--mesh-shape {r},{s} must be two positive sizes R,S with R*S = {n} data-parallel devices")
+    r, s = replica_split(mesh_shape, n, f"--mesh-shape {','.join(map(str, mesh_shape))}")
     return {**sizes, REPLICA_AXIS: r, DATA_AXIS: s}
 
 

@@ -6,7 +6,7 @@ Simulating N devices on a CPU-only machine: set
 separate XLA CPU device, so collectives and shardings behave as on real hardware.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -138,6 +138,15 @@ def parse_mesh(text: str) -> dict:
         raise MeshError("--mesh is empty: give axis=size pairs like data=2,model=2")
     named_shape(**sizes)  # the same checks as make_mesh
     return sizes
+
+
+def replica_split(mesh_shape, n: int, spelled: str) -> Tuple[int, int]:
+    """``mesh_shape`` as (replicas, shards) of ``n`` data-parallel devices; MeshError, in one line
+    naming the option as the user ``spelled`` it, unless two positive sizes whose product is ``n``."""
+    shape = tuple(int(d) for d in mesh_shape)
+    if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != n:
+        raise MeshError(f"{spelled} must be two positive sizes R,S with R*S = {n} data-parallel devices")
+    return shape
 
 
 def axis_size(mesh, axis: str) -> int:

@@ -158,11 +158,12 @@ def _split_scalars(fn, xs, shapes, on_scalar):
     return out
 
 
-def map_groups(fn, tree, groups):
-    """Apply ``fn`` (a list of leaves -> a list of leaves) to each group of leaf indices of ``tree``."""
+def map_groups(fn, tree, groups, *per_leaf):
+    """Apply ``fn`` (a list of leaves -> a list of leaves) to each group of leaf indices of ``tree``;
+    each list of ``per_leaf`` (one entry per leaf, e.g. its whole shape) is passed cut to the group too."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = [None] * len(leaves)
     for group in groups:
-        for i, y in zip(group, fn([leaves[i] for i in group])):
+        for i, y in zip(group, fn([leaves[i] for i in group], *[[side[i] for i in group] for side in per_leaf])):
             out[i] = y
     return jax.tree_util.tree_unflatten(treedef, out)

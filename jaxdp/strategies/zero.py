@@ -47,7 +47,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdp import registry
-from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, axis_size
+from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, MeshError, axis_size, replica_split
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
@@ -263,7 +263,8 @@ def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
     devices = devices[np.argsort(hosts, kind="stable")]
     n = devices.shape[0]
     mesh_shape = tuple(int(d) for d in (mesh_shape or default_hsdp_shape(list(devices.reshape(n, -1)[:, 0]))))
-    if len(mesh_shape) != 2 or min(mesh_shape) < 1 or mesh_shape[0] * mesh_shape[1] != n:
-        raise StrategyError(f"hsdp mesh_shape {mesh_shape} must be two positive sizes R,S with R*S = {n} "
-                            "data-parallel devices")
+    try:
+        mesh_shape = replica_split(mesh_shape, n, f"hsdp mesh_shape {mesh_shape}")
+    except MeshError as e:
+        raise StrategyError(str(e)) from None
     return Mesh(devices.reshape(*mesh_shape, *devices.shape[1:]), (REPLICA_AXIS, DATA_AXIS) + beside)

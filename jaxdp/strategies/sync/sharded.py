@@ -37,11 +37,4 @@ class GatherOnUse(Stateless):
 
 def all_gather(chunks, shapes, groups, axis, shards: int):
     """Whole tensors (of ``shapes``, one per leaf) from every device's chunks, one all-gather per group."""
-    def gather(indices):
-        return layout.gather_group([leaves[i] for i in indices], [shapes[i] for i in indices], axis, shards)
-    leaves, treedef = jax.tree_util.tree_flatten(chunks)
-    out = [None] * len(leaves)
-    for group in groups:
-        for i, y in zip(group, gather(group)):
-            out[i] = y
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return layout.map_groups(lambda cs, ss: layout.gather_group(cs, ss, axis, shards), chunks, groups, shapes)
