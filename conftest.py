@@ -31,7 +31,10 @@ os.environ.setdefault(_USER_SETTINGS, json.dumps({k: os.environ.get(k) for k in 
 # tiny float64 ResNet's DDP step compiled in 0.64 s instead of 1.36 s (ZeRO-3: 1.17 vs
 # 2.07) and ran 1.6x faster. Results stay within rounding of the optimised build, and
 # every comparison is against a reference computed in the same process or the torch
-# side, never against stored numbers.
+# side, never against stored numbers. With every program already in the compilation cache
+# (below), XLA's default level would run the steps faster (a float64 ZeRO-3 parity pair's
+# jax side: 19 -> 11 CPU-s), but with the cache empty the suite then took over 50 min
+# instead of 26 (2 cores): level 0 stays.
 # Tests marked ``production_compiler`` assert that two different programs agree to the last
 # bit (FSDP units composed vs model.apply, a sharded vs an unsharded init). That is a property
 # of XLA's default emitters, which users run; the older emitters round a few values of such
@@ -70,6 +73,10 @@ import jax  # noqa: E402
 from jaxdp.run.perf import enable_compile_cache  # noqa: E402
 
 enable_compile_cache(True)
+# JAX decides once per process, at its first compile, whether it uses the cache. One compile now
+# settles that, so a test that turns the cache off in-process (a train run with
+# --no-compile-cache) before its worker compiled anything cannot turn it off for the tests after it.
+jax.jit(lambda x: x + 1)(0)
 
 from parity_tests.torch_side import SHARED_CACHE_ENV  # noqa: E402
 

@@ -16,18 +16,12 @@ _DEVICE_COUNT = "--xla_force_host_platform_device_count"
 TINY_ARGS = ["--width", "4", "--blocks", "1,1,1,1", "--no-progress", "--lr", "0.05"]
 
 
-def shared_2x2_cache(tmp_path_factory) -> str:
-    """One JAX compilation cache for every 2-process x 2-device job of the session: the
-    tiny float64 model compiles once (tens of seconds on a loaded CPU), not per job."""
-    path = tmp_path_factory.getbasetemp() / "jax_cache_2x2"
-    path.mkdir(exist_ok=True)
-    return str(path)
-
-
 def job_env(**extra):
     """The test process's environment minus its 8 simulated devices (each process gets its own)
-    and any job variables (JAXDP_*, SLURM_*); the torch backend choice and conftest's
-    compile-time XLA flags are kept."""
+    and any job variables (JAXDP_*, SLURM_*); the torch backend choice, conftest's
+    compile-time XLA flags and its compile-cache threshold are kept, so a job's processes
+    load their programs from jaxdp's persistent cache (its 2-process directory for the
+    2-process jobs) across sessions, as a user's reruns do."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS",) and (not k.startswith(("JAXDP_", "SLURM_")) or k == "JAXDP_TORCH_BACKEND")}
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT)]

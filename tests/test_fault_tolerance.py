@@ -20,7 +20,7 @@ from jaxdp.data.datasets import ArrayDataset
 from jaxdp.data.sampler import epoch_permutation, partition
 from jaxdp.strategies import REGISTRY
 from jaxdp.run.train import train
-from launch_helpers import Job, alive, epoch_ids, jaxdp, job_env, records, run_job, sample_records, shared_2x2_cache
+from launch_helpers import Job, alive, epoch_ids, jaxdp, job_env, records, run_job, sample_records
 
 # The same model, dtype and batch as test_multihost's 2x2 jobs, so they share compiled code.
 ARGS = ["--width", "4", "--blocks", "1,1,1,1", "--global-batch-size", "32", "--epochs", "1", "--lr", "0.05",
@@ -45,14 +45,14 @@ def complete_steps(out):
 
 
 @pytest.mark.slow
-def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path, tmp_path_factory):
+def test_sigkilled_worker_then_resume_sees_every_sample_once(tmp_path):
     """2 processes x 2 devices, 8 steps, a checkpoint every 4. Process 1 is SIGKILLed after
     step 6, i.e. with steps 5 and 6 done but not checkpointed: the launcher stops process 0
     and fails naming process 1; ``--resume`` continues from the newest complete checkpoint
     (4), drops what the killed run did after it and feeds steps 5.. again; the checkpointed
     prefix plus the resumed run fed each of the 256 samples exactly once."""
     out = str(tmp_path / "run")
-    env = job_env(JAX_COMPILATION_CACHE_DIR=shared_2x2_cache(tmp_path_factory))
+    env = job_env()
     command = jaxdp("train", *ARGS, "--synthetic-size", "256,32", "--checkpoint-every", "4", "--out", out)
     job = Job(["--nprocs", "2", "--devices-per-proc", "2"], command, env=env)
     try:
@@ -193,13 +193,13 @@ def test_elastic_data_semantics_with_a_ragged_tail(n, before, after):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_checkpoints_the_same_step_in_every_process(tmp_path, tmp_path_factory):
+def test_sigterm_to_one_process_checkpoints_the_same_step_in_every_process(tmp_path):
     """A scheduler preempts one host of a 2-process job (SIGTERM to process 1 only): JAX's
     preemption sync point makes both stop after the same step, both checkpoint it together,
     each says so, and the launcher exits 143 (not a failure that kills the survivor). (Resuming
     such a checkpoint is what the SIGKILL test above does, at ~30 s a job.)"""
     out = str(tmp_path / "run")
-    env = job_env(JAX_COMPILATION_CACHE_DIR=shared_2x2_cache(tmp_path_factory))
+    env = job_env()
     command = jaxdp("train", *ARGS, "--synthetic-size", "1024,32", "--out", out)  # 32 steps
     job = Job(["--nprocs", "2", "--devices-per-proc", "2"], command, env=env)
     try:

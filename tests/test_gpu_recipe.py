@@ -36,7 +36,7 @@ STEPS = 45
 # offline, one simulated device, 45 updates (22 epochs of the 1,437 training digits). The batch
 # (512), dtype, optimiser, lr and schedule stay the file's.
 CPU_SIZED = ["--width", "2", "--blocks", "1,1,1,1", "--dataset", "digits", "--max-steps", str(STEPS),
-             "--devices", "1", "--no-progress", "--no-compile-cache"]
+             "--devices", "1", "--no-progress"]
 OPTIMISATION = ("optimizer", "lr", "momentum", "nesterov", "weight_decay", "schedule", "warmup_steps")
 # A pixel of the original 8x8 digit: the digits set repeats each one into a 4x4 block of its 32x32
 # images; the block centres give the digit back exactly, at 1/16 of the convolutions' work.

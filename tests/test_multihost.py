@@ -23,15 +23,9 @@ from jaxdp.runtime.distributed import INIT_TIMEOUT_EXIT_CODE, distributed_env, f
 from jaxdp.runtime.mesh import MeshError
 from jaxdp.strategies import REGISTRY
 from jaxdp.run.train import train
-from launch_helpers import (TINY_ARGS, Job, alive, jaxdp, job_env, records, run_job, sample_records,
-                            shared_2x2_cache)
+from launch_helpers import TINY_ARGS, Job, alive, jaxdp, job_env, records, run_job, sample_records
 
 JOB_TIMEOUT = 240  # seconds; a loaded 2-core machine needs ~1-2 min for a tiny 2-process run
-
-
-@pytest.fixture
-def mp_cache(tmp_path_factory):
-    return shared_2x2_cache(tmp_path_factory)
 
 
 # ----------------------------------------------------------------------------- launcher, no jax
@@ -168,14 +162,14 @@ def final_state(out):
 # every sample once), so a ddp case here would add ~80 s of CPU for what zero3 already checks.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [s for s in ("zero3",) if s in REGISTRY])
-def test_two_processes_match_one(tmp_path, mp_cache, strategy):
+def test_two_processes_match_one(tmp_path, strategy):
     """2 processes x 2 devices == 1 process x 4 devices, float64: losses, params, optimizer
     state, BN buffers; each process fed only its own rows of every batch."""
     one = TrainConfig(strategy=strategy, devices=4, out=str(tmp_path / "one"), **EQUIV)
     train(one)  # in this process: 1 x 4 of the 8 simulated devices
     two = dataclasses.replace(one, devices=None, out=str(tmp_path / "two"))
     code, out = run_job(["--nprocs", "2", "--devices-per-proc", "2"], jaxdp("train", *_cli_args(two)),
-                        timeout=JOB_TIMEOUT, env=job_env(JAX_COMPILATION_CACHE_DIR=mp_cache))
+                        timeout=JOB_TIMEOUT, env=job_env())
     assert code == 0, out[-5000:]
     assert out.count("done: 4 steps") == 1  # one summary line per job: process 0's
 
