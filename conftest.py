@@ -90,6 +90,18 @@ def _x64_only_where_marked(request):
     jax.config.update("jax_enable_x64", before)
 
 
+@pytest.fixture(autouse=True)
+def _xla_flags_restored():
+    """``XLA_FLAGS`` as it was before the test. An in-process ``jaxdp parity`` appends parity
+    mode's GPU flags (parity_tests.parity_mode). XLA read its flags when the backend started, so
+    they change no program, but JAX puts the variable into every compilation-cache key: a worker
+    that ran such a test missed the cache for every program after it (measured: ~40 steps
+    compiled again on a warm run)."""
+    before = os.environ["XLA_FLAGS"]  # set above, at start-up
+    yield
+    os.environ["XLA_FLAGS"] = before
+
+
 def pytest_configure(config):
     """One directory for the session's torch parity runs (``parity_tests.torch_side``), made by the
     controlling process before its xdist workers start, so that they all inherit it: a torch run
