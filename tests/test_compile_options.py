@@ -17,7 +17,8 @@ def test_the_cpu_default_leaves_convolutions_out_of_ynnpack_and_the_environment_
     assert resolve(None, "cpu") is None and resolve(YNN_DOTS_AND_REDUCES, "cpu") == YNN_DOTS_AND_REDUCES
 
 
-def test_parse_and_resolve():
+def test_parse_and_resolve(monkeypatch):
+    monkeypatch.delenv("JAXDP_COMPILER_OPTIONS", raising=False)  # the platforms' defaults, not conftest's
     text = "xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
     assert parse(text) == YNN_DOTS_AND_REDUCES and parse("a=1; b=2") == {"a": "1", "b": "2"}
     assert resolve("none", "cpu") is None and resolve({}, "cpu") is None

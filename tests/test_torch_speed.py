@@ -75,9 +75,11 @@ def test_bench_times_torch_compile_and_each_lever(tmp_path):
     assert "| ddp [no-donation] | 1 |" in (out / "t.md").read_text()
 
 
-def test_gpu_levers_are_compile_options_xla_accepts():
+def test_gpu_levers_are_compile_options_xla_accepts(monkeypatch):
     """XLA:CPU knows every GPU option's name (one DebugOptions), so a misspelt lever fails here."""
     import jax
+
+    monkeypatch.delenv("JAXDP_COMPILER_OPTIONS", raising=False)  # a GPU's defaults, not conftest's
     import jax.numpy as jnp
 
     from torch_commands.bench.levers import LEVERS, compiler_options

@@ -466,7 +466,10 @@ def test_zero1_compresses_as_ddp(compress):
     batches = [(x, y)] * 5  # one batch, repeated: the loss must fall
 
     def run(name):
-        s = make(name, model, tx, n, compress=compress, return_grads=True, **COMPRESS[compress])
+        # Both steps at XLA's level 0 (the suite's flags): compiled by its optimising backend,
+        # the two programs' PowerSGD averages differed by an ulp (measured).
+        s = make(name, model, tx, n, compress=compress, return_grads=True, compiler_options="none",
+                 **COMPRESS[compress])
         state, history = run_steps(s, s.init_state(variables), batches)
         return s, s.canonical(state), history
 

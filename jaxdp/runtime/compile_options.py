@@ -11,9 +11,10 @@ The CPU default keeps convolutions out of XLA:CPU's YNNPACK fusions (dots and re
 stay in). Measured inside jaxdp's DDP step, one core, interleaved (docs/benchmarks.md,
 benchmarks/RESULTS.md): ResNet-18 width 64 0.76x the default's step time at batch 16 and
 0.64x at batch 32. It changes f32 and f64 results by an ulp (other kernels), so the test
-suite (conftest.py) sets ``JAXDP_COMPILER_OPTIONS=none``: its bit-for-bit comparisons
-against plain ``jax.jit`` references keep XLA's own kernels. GPUs get nothing, and nor
-does ``dp``: ``jax.pmap`` takes no compile options.
+suite (conftest.py) leaves it out: its bit-for-bit comparisons against plain ``jax.jit``
+references keep XLA's own kernels (it sets ``JAXDP_COMPILER_OPTIONS`` to
+``xla_backend_optimization_level=2`` alone: the step optimised, every other program at its
+level 0). GPUs get nothing, and nor does ``dp``: ``jax.pmap`` takes no compile options.
 """
 
 import os
