@@ -51,9 +51,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The training step, and only it, compiles with XLA's optimising backend (level 2, a strategy's
 # compile options: jaxdp.runtime.compile_options). It is the program a test runs many times:
 # the process running a float64 ZeRO-3 parity pair's jax side used 12.5 CPU-s instead of 22.1
-# with its step cached, 31.9 instead of 25.2 without. With the compilation cache warm (below) the suite took 14.6 min
-# instead of 17-18 on 2 cores (1,755 instead of ~2,120 CPU-s); a step not yet cached costs ~2 s
-# more to compile. jaxdp's CPU default options (YNNPACK without convolutions) are left out:
+# with its step cached, 31.9 instead of 25.2 without. Fresh clone, 2 cores: 12 min warm instead
+# of 17 (1,442 instead of ~2,120 CPU-s, with the XLA_FLAGS fixture below), 27 min with the cache
+# empty instead of 26. jaxdp's CPU default options (YNNPACK without convolutions) are left out:
 # they change f32 and f64 steps by an ulp, and the tests compare strategies bit for bit with
 # plain jax.jit references, so they keep XLA's own kernels. test_compile_options checks the
 # default.
@@ -66,11 +66,11 @@ os.environ.setdefault("JAXDP_TORCH_BACKEND", "gloo")
 # Every program the suite compiles in its workers, and in the `jaxdp train` runs it starts, goes
 # through jaxdp's persistent compilation cache (``jaxdp.run.perf``: the directory `jaxdp train`
 # uses, one per process count), not only those of train runs and not only those that took over a
-# second, so a rerun loads most of them. Measured, fresh clone on 2 cores: 26 min 16 s with the
-# cache empty, 18 min 05 s warm (45.8 -> 30.3 CPU-min); tracing and lowering stay. Its keys hold
-# the program, the XLA flags and jax's version, so no result comes from another build. Within
-# one cold run it saves nothing: tests rarely repeat a program. ``user_env`` gives commands the
-# user's own threshold back.
+# second, so a rerun loads most of them (fresh clone, 2 cores: 27 min with the cache empty, 12
+# warm; tracing and lowering stay). Its keys hold the program, the XLA flags (the environment's,
+# at each compile: see _xla_flags_restored) and jax's version, so no result comes from another
+# build. Within one cold run it saves nothing: tests rarely repeat a program. ``user_env`` gives
+# commands the user's own threshold back.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
