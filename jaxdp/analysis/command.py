@@ -6,12 +6,15 @@ Jax-free at import: the parser is built before ``--devices`` sets XLA's device c
 import json
 import math
 import sys
+import types
 
 from jaxdp.analysis.measure import InspectError, inspect_strategy
 from jaxdp.analysis.report import format_report
-from jaxdp.config.flags import VIT_SIZES, add_mesh_flag, add_remat_flag, add_vit_flags, comma_ints
+from jaxdp.config.flags import VIT_SIZES, add_arguments, add_mesh_flag, add_vit_flags, comma_ints
+from jaxdp.config.step import StrategyOptions
 
 DEFAULT_DEVICES = 8
+STRATEGY_OPTIONS = ("allreduce", "compress", "powersgd_rank", "staleness", "remat")  # what inspect passes on
 
 def add_inspect_args(p) -> None:
     from jaxdp.config import choices
@@ -20,12 +23,10 @@ def add_inspect_args(p) -> None:
     p.add_argument("--devices", type=int, default=None, help=f"devices (simulated on CPU; default {DEFAULT_DEVICES})")
     add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
                           "axis")
-    p.add_argument("--mesh-shape", type=comma_ints, default=None, help="hsdp: replicas,shards")
-    p.add_argument("--allreduce", default=None, metavar=choices.listing(choices.ALLREDUCES), help="ddp/async/zero1")
-    p.add_argument("--compress", default=None, metavar=choices.listing(choices.COMPRESSIONS), help="ddp/zero1 (async: bf16, fp16)")
-    p.add_argument("--powersgd-rank", type=int, default=None, help="ddp/zero1 --compress powersgd: matrix rank r")
-    p.add_argument("--staleness", type=int, default=None, help="async: staleness bound k")
-    add_remat_flag(p, default=None)
+    # The strategy options train and parity take (their one declaration, StrategyOptions); None: the strategy's default.
+    add_arguments(p, StrategyOptions, ("mesh_shape",) + STRATEGY_OPTIONS,
+                  defaults=types.SimpleNamespace(**dict.fromkeys(("mesh_shape",) + STRATEGY_OPTIONS)),
+                  compress="ddp/zero1 gradient compression (async: bf16, fp16)")
     add_model_args(p)
     p.add_argument("--batch-per-device", type=int, default=1, help="images per device per step")
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -65,8 +66,7 @@ def run(args) -> int:
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 
-    options = {k: getattr(args, k) for k in ("allreduce", "compress", "powersgd_rank", "staleness", "remat")
-               if getattr(args, k) is not None}
+    options = {k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None}
     vit = {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None}
     try:
         mesh, devices = _mesh_and_devices(args)

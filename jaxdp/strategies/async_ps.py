@@ -52,11 +52,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxdp.strategies import ddp
 from jaxdp.strategies.base import Strategy
-from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
+from jaxdp.strategies.device_math import local_grads
 from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.sync.allreduce import AllReduce
 
@@ -126,18 +125,9 @@ class AsyncPS(Strategy):
             self.task.loss_fn, self.params_read(state), state.model_state, batch, self.step_key(state.step),
             self.accum_steps)
         grads, _ = self.sync.update(grads, None, self.where(state.step))  # the server's average
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         extra = state.extra
         if self.staleness:
             slot = state.step % self.staleness  # theta_t replaces theta_{t-k}, which no later update reads
             extra = {"history": jax.tree_util.tree_map(lambda h, p: jax.lax.dynamic_update_index_in_dim(h, p, slot, 0),
                                                        state.extra["history"], state.params)}
-        new_state = state.replace(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
-            model_state=ddp_buffers(model_state, self.axis, self.sync_bn),
-            opt_state=opt_state,
-            extra=extra,
-        )
-        out = train_metrics(loss, metrics, self.axis, grads if self.return_grads else None)
-        return new_state, self.with_grad_norm(out, grads, chunked=False)
+        return ddp.replicated_update(self, state, loss, grads, model_state, metrics, extra)

@@ -54,13 +54,19 @@ class DDP(Strategy):
         loss, grads, model_state, metrics = local_grads(
             self.task.loss_fn, params, state.model_state, batch, self.step_key(state.step), self.accum_steps)
         grads, extra = self.sync.update(grads, state.extra, self.where(state.step))
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        new_state = state.replace(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
-            model_state=ddp_buffers(model_state, self.axis, self.sync_bn),
-            opt_state=opt_state,
-            extra=extra,
-        )
-        out = train_metrics(loss, metrics, self.axis, grads if self.return_grads else None)
-        return new_state, self.with_grad_norm(out, grads, chunked=False)
+        return replicated_update(self, state, loss, grads, model_state, metrics, extra)
+
+
+def replicated_update(strategy, state, loss, grads, model_state, metrics, extra):
+    """DDP's steps 3 and 4 on one device, given the averaged ``grads``: the same optimizer update
+    everywhere, rank 0's (or SyncBN's) buffers, and the step's metrics (also ``async_ps``'s)."""
+    updates, opt_state = strategy.tx.update(grads, state.opt_state, state.params)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=optax.apply_updates(state.params, updates),
+        model_state=ddp_buffers(model_state, strategy.axis, strategy.sync_bn),
+        opt_state=opt_state,
+        extra=extra,
+    )
+    out = train_metrics(loss, metrics, strategy.axis, grads if strategy.return_grads else None)
+    return new_state, strategy.with_grad_norm(out, grads, chunked=False)

@@ -262,9 +262,9 @@ def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
     hosts = [int(d.process_index) for d in devices.reshape(devices.shape[0], -1)[:, 0]]
     devices = devices[np.argsort(hosts, kind="stable")]
     n = devices.shape[0]
-    mesh_shape = tuple(int(d) for d in (mesh_shape or default_hsdp_shape(list(devices.reshape(n, -1)[:, 0]))))
+    wanted = mesh_shape or default_hsdp_shape(list(devices.reshape(n, -1)[:, 0]))
     try:
-        mesh_shape = replica_split(mesh_shape, n, f"hsdp mesh_shape {mesh_shape}")
+        mesh_shape = replica_split(wanted, n, f"hsdp mesh_shape {','.join(map(str, wanted))}")
     except MeshError as e:
         raise StrategyError(str(e)) from None
     return Mesh(devices.reshape(*mesh_shape, *devices.shape[1:]), (REPLICA_AXIS, DATA_AXIS) + beside)
