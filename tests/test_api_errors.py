@@ -120,3 +120,23 @@ def test_a_loss_that_reduces_over_the_batch_axes_is_left_to_the_step():
     state = t.init(jax.random.key(0), host_batch())
     _, metrics = t.step(state, host_batch())
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_numpy_int64_targets_init_and_step_without_a_dtype_warning():
+    """numpy's default integers (int64) are what a user's labels usually are. With x64 off jax
+    holds them as int32 (as ``device_put`` does), so init traces the model with int32 and
+    neither init nor the step warns about a dtype jax cannot hold."""
+    import warnings
+
+    def loss(params, model_state, batch, rng):
+        out = model.apply({"params": params}, batch["x"])
+        return jnp.mean((out - batch["y"].astype(out.dtype)) ** 2), (model_state, {})
+
+    batch = {"x": host_batch()["x"], "y": np.arange(8)}
+    assert batch["y"].dtype == np.int64 and not jax.config.jax_enable_x64
+    t = trainer(loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = t.init(jax.random.key(0), batch)
+        state, metrics = t.step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))

@@ -79,7 +79,10 @@ def padded_shapes(shapes, n: int):
 
 
 def shapes_of(tree):
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    """Shapes and the dtypes jax will hold: numpy's int64 labels are int32 unless x64 is on (as
+    ``device_put`` makes them), so tracing with them neither warns nor differs from the step."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), tree)
 
 
 def zeros(shapes):
