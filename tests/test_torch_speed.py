@@ -78,12 +78,11 @@ def test_bench_times_torch_compile_and_each_lever(tmp_path):
 def test_gpu_levers_are_compile_options_xla_accepts(monkeypatch):
     """XLA:CPU knows every GPU option's name (one DebugOptions), so a misspelt lever fails here."""
     import jax
-
-    monkeypatch.delenv("JAXDP_COMPILER_OPTIONS", raising=False)  # a GPU's defaults, not conftest's
     import jax.numpy as jnp
 
     from torch_commands.bench.levers import LEVERS, compiler_options
 
+    monkeypatch.delenv("JAXDP_COMPILER_OPTIONS", raising=False)  # a GPU's defaults, not conftest's
     for name in LEVERS:
         options = compiler_options(name, "gpu")
         assert options == (LEVERS[name].get("compile_options") or None), name

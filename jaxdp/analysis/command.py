@@ -24,8 +24,8 @@ def add_inspect_args(p) -> None:
     add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
                           "axis")
     # The strategy options train and parity take (their one declaration, StrategyOptions); None: the strategy's default.
-    add_arguments(p, StrategyOptions, ("mesh_shape",) + STRATEGY_OPTIONS,
-                  defaults=types.SimpleNamespace(**dict.fromkeys(("mesh_shape",) + STRATEGY_OPTIONS)),
+    flags = ("mesh_shape",) + STRATEGY_OPTIONS
+    add_arguments(p, StrategyOptions, flags, defaults=types.SimpleNamespace(**dict.fromkeys(flags)),
                   compress="ddp/zero1 gradient compression (async: bf16, fp16)")
     add_model_args(p)
     p.add_argument("--batch-per-device", type=int, default=1, help="images per device per step")
