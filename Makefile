@@ -1,15 +1,17 @@
 # Entry points: `make train` (the quickstart run), `make test` (the suite), on a host with
 # NVIDIA GPUs (one or more) `make gpu-check` (parity of every strategy on the GPUs at realistic
 # sizes, report in runs/gpu-check/) and `make gpu-bench` (<= 5 minutes of GPU time, report in
-# runs/gpu-bench/). Each creates .venv and installs the project into it on first use; the two GPU
-# targets first try the python at hand (a GPU image's own jax and torch: nothing to install).
+# runs/gpu-bench/); on any machine `make gpu-check-rehearsal` (the one-GPU plan's pairs on the CPU,
+# slow: about an hour on 2 cores). Each creates .venv and installs the project into it on first
+# use; the two GPU targets first try the python at hand (a GPU image's own jax and torch: nothing
+# to install).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICKSTART_ARGS := --strategy ddp --model resnet18 --width 8 --devices 2 --global-batch-size 128 \
 	--epochs 2 --synthetic-size 5000,1000 --lr 0.2 --out runs/quickstart --overwrite
 
-.PHONY: train test install install-gpu gpu-check gpu-bench clean
+.PHONY: train test install install-gpu gpu-check gpu-check-rehearsal gpu-bench clean
 
 # pyproject.toml admits torch 2.6 to < 3; CONSTRAINTS pins the one installed here (2.13.0, the
 # CPU wheel on the build machines). Another torch: make install CONSTRAINTS=/dev/null.
@@ -55,6 +57,12 @@ gpu-check:
 	echo "gpu-check with $$py"; \
 	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
 		$$py -m torch_commands.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)
+
+# gpu-check's one-GPU plan, every GPU pair run on the CPU at N = 1 (jax on XLA:CPU, torch on gloo),
+# so that the first GPU run tests the GPU, not the plan. Not part of the suite: slow (report in
+# runs/gpu-check-rehearsal/; the last run's table is in docs/parity.md).
+gpu-check-rehearsal: install
+	$(BIN)/python -m torch_commands.gpu_check --rehearse --out runs/gpu-check-rehearsal $(GPU_CHECK_ARGS)
 
 # The <= 5 minute GPU bench (jaxdp bench --preset gpu --quick; report in runs/gpu-bench/). It uses
 # $(PYTHON) as it is when jax, torch and jaxdp import there (a stock GPU image after

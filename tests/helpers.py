@@ -185,3 +185,21 @@ def jax_compile_log(lines):
 def compiles_of(lines, name: str) -> int:
     """How many times ``jit(name)`` was compiled in a compile log."""
     return sum(line.startswith(f"Finished XLA compilation of jit({name})") for line in lines)
+
+
+def fake_gpus(monkeypatch):
+    """``fake(n)``: torch sees n CUDA GPUs (0: no CUDA), and no backend override or rank variables
+    are set: a GPU host wherever nothing has to compute on the GPUs (NCCL is never started)."""
+    import torch
+
+    from torch_ref.dist import BACKEND_ENV
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+    def fake(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"Fake GPU {i}")
+    return fake

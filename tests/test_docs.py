@@ -205,7 +205,7 @@ def check_module(module, args):
     elif module == "torch_commands.gpu_check":
         import argparse
 
-        from torch_commands.gpu_check import add_args
+        from torch_commands.gpu_check.command import add_args
 
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_args(parser)

@@ -1,11 +1,11 @@
 """The GPU path, checked on CPU: which device and backend each torch rank gets, the
-``--backend``/``JAXDP_TORCH_BACKEND`` choice in every CLI, and ``gpu_check``'s plan.
+``--backend``/``JAXDP_TORCH_BACKEND`` choice in every CLI (gpu-check's plan and verdict:
+test_gpu_check.py).
 
 Two fake GPUs (``torch.cuda.is_available``/``device_count`` patched) stand in for a GPU
 host wherever nothing has to compute on them: the launcher's per-rank environment, the
 device each rank would pick, the backend each entry point resolves. NCCL itself is never
-started. One real 2-rank gloo launch shows the variables reach the ranks, and one tiny
-``gpu_check --simulate 2`` pair runs the check end to end on simulated devices.
+started. One real 2-rank gloo launch shows the variables reach the ranks.
 """
 
 import json
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from torch_ref import dist as tdist
+from helpers import fake_gpus
 from torch_ref import launcher
 
 ENV = tdist.BACKEND_ENV
@@ -22,16 +23,7 @@ ENV = tdist.BACKEND_ENV
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """``gpus(n)``: pretend torch sees n CUDA GPUs (0: no CUDA); no backend override."""
-    monkeypatch.delenv(ENV, raising=False)
-    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-
-    def fake(n):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"Fake GPU {i}")
-    return fake
+    return fake_gpus(monkeypatch)
 
 
 # ----------------------------------------------------------------------------- devices per rank
@@ -217,171 +209,3 @@ def test_parity_backend_flag_reaches_the_torch_launch(gpus, monkeypatch, capsys)
     assert err.startswith("jaxdp parity: error: backend nccl (--backend) needs one CUDA GPU") and err.count("\n") == 1
 
 
-# ----------------------------------------------------------------------------- gpu_check
-
-def test_gpu_check_dry_run_on_two_gpus_writes_the_plan(gpus, tmp_path, capsys):
-    from torch_commands import gpu_check
-    from torch_commands.gpu_check import REALISTIC, STRATEGIES, main, parity_config
-
-    gpus(0)
-    assert main(["--out", str(tmp_path / "refused")]) == 2  # no GPU: refused, one line
-    err = capsys.readouterr().err
-    assert err.startswith("gpu-check: error: gpu-check needs a visible CUDA GPU, torch sees 0")
-    assert err.count("\n") == 1 and not (tmp_path / "refused").exists()
-
-    gpus(2)
-    out = tmp_path / "plan"
-    assert main(["--dry-run", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "gpu-check found: jax " in printed and " torch " in printed and "flax " in printed
-    plan = json.loads((out / "report.json").read_text())
-    assert (plan["status"], plan["dry_run"], plan["n"], plan["backend"]) == ("DRY RUN", True, 2, "nccl")
-    assert f"2 GPU(s): Fake GPU 0, Fake GPU 1, backend nccl, dtypes float32, bfloat16, float64, {len(plan['pairs'])} " \
-           "pair(s) + 1 bench row" in printed
-    tiny = [p for p in plan["pairs"] if p["size"] == "tiny"]
-    # today's tiny pairs at N = every GPU, as the CPU suite runs them ...
-    assert [p["id"] for p in tiny] == [f"{s}-{d}" for d in ("float32", "float64") for s in STRATEGIES]
-    assert STRATEGIES == ("ddp", "zero1", "zero2", "zero3", "hsdp", "dp")
-    for p in plan["pairs"]:
-        assert p["status"] == "PLANNED" and p["command"].startswith("jaxdp parity --strategy ")
-        cfg = parity_config(p["argv"])  # the command is the configuration
-        assert (cfg.strategy, cfg.dtype, cfg.devices, cfg.backend) == (p["strategy"], p["dtype"], 2, "nccl")
-        assert p["where"] == "gpu" and p["torch_ranks"] == (1 if p["strategy"] == "dp" else 2)
-        if p["size"] == "tiny":
-            assert cfg.steps == 4 and cfg.width == 4 and cfg.blocks == (1, 1, 1, 1)
-    # ... plus the realistic sizes, the float32 ResNet-18 of width 64 first, within the budget
-    realistic = [p for p in plan["pairs"] if p["size"] in REALISTIC]
-    assert realistic[0]["id"] == "ddp-float32-resnet18-w64-n2"
-    cfg = parity_config(realistic[0]["argv"])
-    assert (cfg.model, cfg.width, cfg.blocks, cfg.image_size, cfg.batch_per_device) == \
-        ("resnet18", 64, (2, 2, 2, 2), 32, 64)
-    assert {p["size"] for p in realistic} == set(REALISTIC) and plan["estimate_s"] <= plan["budget_s"] == 360
-    hsdp = next(p for p in tiny if p["strategy"] == "hsdp")
-    assert parity_config(hsdp["argv"]).mesh_shape == (2, 1)  # jaxdp's default at N = 2 (and torch_ref's)
-    assert next(p for p in tiny if p["strategy"] == "dp")["torch_twin"] == "dp"  # nn.DataParallel
-    assert plan["bench"]["command"].startswith("JAXDP_TORCH_BACKEND=nccl jaxdp bench --strategies ddp --devices 2 ")
-    assert plan["bench"]["status"] == "PLANNED"
-    md = (out / "report.md").read_text()
-    assert md.startswith("# gpu-check: DRY RUN")
-    assert "| hsdp | GPU | tiny | float64 | 2 | hsdp (2, nccl) |" in md
-    assert md.count("**PLANNED**") == len(plan["pairs"]) + 1
-    assert hsdp["command"] in md
-
-    # eight GPUs: N = 8, HSDP on 2 x 4; one dtype, no bench, no budget: every realistic pair
-    gpus(8)
-    assert main(["--dry-run", "--dtypes", "float64", "--no-bench", "--budget", "0", "--out", str(out)]) == 0
-    plan = json.loads((out / "report.json").read_text())
-    assert plan["n"] == 8 and plan["bench"] is None and plan["left_out"] == []
-    assert len(plan["pairs"]) == 6 + 6 * len(REALISTIC)
-    assert gpu_check.hsdp_mesh_shape(8) == (2, 4)
-    assert "--mesh-shape 2,4" in next(p for p in plan["pairs"] if p["strategy"] == "hsdp")["command"]
-    assert plan["environment"]["torch_gpus"] == [f"Fake GPU {i}" for i in range(8)]
-    assert main(["--dry-run", "--dtypes", "float16", "--out", str(out)]) == 2
-
-
-def test_gpu_check_dry_run_on_one_gpu_plans_n1_gpu_pairs_and_simulated_n2_n3(gpus, tmp_path, capsys):
-    """A one-GPU host: every strategy at N = 1 on the GPU at realistic sizes (within the 6-minute
-    budget), then, labelled, N = 2 and 3 on simulated CPU devices with torch on gloo."""
-    from torch_commands.gpu_check import REALISTIC, STRATEGIES, main, parity_config
-
-    gpus(1)
-    out = tmp_path / "plan"
-    assert main(["--dry-run", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    plan = json.loads((out / "report.json").read_text())
-    assert (plan["n"], plan["simulated_n"], plan["bench"]) == (1, [2, 3], None)
-    assert "1 GPU(s): Fake GPU 0; N = 2, 3 on simulated CPU devices" in printed
-    on_gpu = [p for p in plan["pairs"] if p["where"] == "gpu"]
-    simulated = [p for p in plan["pairs"] if p["where"] == "simulated cpu"]
-    assert on_gpu and simulated and plan["pairs"] == on_gpu + simulated  # the GPU first
-    for p in on_gpu:
-        cfg = parity_config(p["argv"])
-        assert (p["n"], cfg.devices, cfg.backend, p["torch_ranks"]) == (1, 1, "nccl", 1) and p["size"] in REALISTIC
-        if cfg.model == "resnet18":
-            assert (cfg.width, cfg.blocks, cfg.image_size, cfg.batch_per_device) == (64, (2, 2, 2, 2), 32, 64)
-        else:  # the ViT at its real size: ViT-Tiny's dim 192, depth 12
-            assert cfg.model == "vit-tiny" and cfg.dim is None and cfg.batch_per_device == 64
-    # every strategy runs on the GPU at realistic size; both models in every dtype
-    assert {p["strategy"] for p in on_gpu} == set(STRATEGIES)
-    assert {(p["size"], p["dtype"]) for p in on_gpu} == {(s, d) for s in REALISTIC
-                                                        for d in ("float32", "bfloat16", "float64")}
-    assert plan["estimate_s"] <= plan["budget_s"] and plan["left_out"]  # the rest named, with --budget 0
-    assert any("--budget 0 runs them all" in n for n in plan["notes"])
-    assert [(p["strategy"], p["n"]) for p in simulated] == [(s, n) for n in (2, 3) for s in STRATEGIES]
-    for p in simulated:
-        cfg = parity_config(p["argv"])
-        assert (cfg.backend, cfg.dtype, p["backend"]) == ("gloo", "float64", "gloo")
-        assert p["torch_ranks"] == p["n"]  # dp's twin on CPU: DDP on N ranks
-    assert parity_config(next(p for p in simulated if p["id"] == "hsdp-float64-n2-simulated")["argv"]).mesh_shape == \
-        (2, 1)
-    md = (out / "report.md").read_text()
-    assert md.count("| **simulated CPU** |") == len(simulated)
-
-
-def test_gpu_check_simulate_runs_a_pair_on_gloo(tmp_path):
-    """The check itself, end to end on 2 simulated devices and 2 gloo ranks (one pair, one step)."""
-    from torch_commands.gpu_check import main
-
-    out = tmp_path / "sim"
-    assert main(["--simulate", "2", "--strategies", "ddp", "--dtypes", "float64", "--steps", "1",
-                 "--no-bench", "--no-png", "--out", str(out)]) == 0
-    report = json.loads((out / "report.json").read_text())
-    assert (report["status"], report["mode"], report["backend"]) == ("PASS", "simulate", "gloo")
-    (pair,) = report["pairs"]
-    assert pair["status"] == "PASS" and pair["message"].startswith("parity OK: 1 steps")
-    dev = pair["details"]["devices"]
-    assert dev["torch_backend"] == "gloo" and dev["tf32"]["off_on_both_sides"]
-    assert [(r["rank"], r["LOCAL_RANK"], r["device"]) for r in dev["torch_ranks"]] == [(0, "0", "cpu"), (1, "1", "cpu")]
-    # parity mode in every torch rank: cuDNN's deterministic heuristic engines (on CUDA)
-    assert all((r["cudnn_deterministic"], r["cudnn_benchmark"], r["cudnn_enabled"]) == (True, False, True)
-               for r in dev["torch_ranks"])
-    assert json.loads((out / "pairs" / "ddp-float64-n2-simulated" / "report.json").read_text())["passed"] is True
-    assert (out / "report.md").read_text().startswith("# gpu-check: PASS")
-
-
-def test_make_gpu_check_uses_the_python_at_hand_without_installing(tmp_path):
-    """A GPU image after ``pip install --no-deps -e .``: jax and torch import, so make runs the check
-    with that python and installs nothing (no network there)."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "plan"
-    proc = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PYTHON={sys.executable}", "VENV=/nonexistent",
-                           f"GPU_CHECK_ARGS=--dry-run --devices 1 --no-realistic --out {out}"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.startswith(f"gpu-check with {sys.executable}\n") and "pip" not in proc.stdout + proc.stderr
-    plan = json.loads((out / "report.json").read_text())
-    assert (plan["status"], plan["n"], plan["simulated_n"]) == ("DRY RUN", 1, [2, 3])
-
-
-def test_gpu_check_simulated_part_is_read_from_the_child_and_stopped_by_the_budget(gpus, tmp_path, monkeypatch):
-    """The one-GPU plan's simulated pairs come from the child's report; those it did not reach
-    within the budget are SKIPPED (named, not failed), and the check's status follows the rest."""
-    import subprocess
-
-    from torch_commands import gpu_check
-
-    gpus(1)
-    plan = gpu_check.make_plan("gpu", 1, "nccl", ["float64"], ["ddp", "zero3"], str(tmp_path), realistic=False)
-    sims = [p for p in plan.pairs if p.where == "simulated cpu"]
-    assert [p.id for p in sims] == ["ddp-float64-n2-simulated", "zero3-float64-n2-simulated",
-                                    "ddp-float64-n3-simulated", "zero3-float64-n3-simulated"]
-    seen = {}
-
-    def child(argv, env, timeout, **kwargs):  # wrote one pair's result, then ran out of time
-        seen.update(argv=argv[1:], env={k: env[k] for k in ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")}, timeout=timeout)
-        (tmp_path / "simulated").mkdir()
-        done = dict(gpu_check.asdict(sims[0]), status="PASS", message="parity OK", seconds=3.0, details={})
-        (tmp_path / "simulated" / "report.json").write_text(json.dumps({"pairs": [done]}))
-        raise subprocess.TimeoutExpired(argv, timeout)
-
-    monkeypatch.setattr(subprocess, "run", child)
-    gpu_check.run_simulated(plan, log=lambda *_: None, timeout_s=90.0)
-    assert seen["argv"][:4] == ["-m", "torch_commands.gpu_check", "--simulate", "2,3"]
-    assert seen["env"] == {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""} and seen["timeout"] == 90.0
-    assert [p.status for p in sims] == ["PASS", "SKIPPED", "SKIPPED", "SKIPPED"]
-    assert sims[1].message.startswith("time budget: the simulated part was stopped after 90 s")
-    assert gpu_check.overall(plan) == "PASS"

@@ -109,7 +109,7 @@ def test_the_default_hsdp_mesh_is_one_definition():
     from types import SimpleNamespace
 
     from jaxdp.strategies.zero import default_hsdp_shape
-    from torch_commands import gpu_check
+    from torch_commands.gpu_check import plan as gpu_check
     from torch_ref.strategies import TWINS, hsdp_mesh_shape
 
     assert registry.default_mesh(2) == (2, 1) and registry.default_mesh(8) == (2, 4)
