@@ -63,7 +63,8 @@ def test_bench_gpu_preset_refuses_without_a_gpu_in_one_line(capsys):
         pytest.skip("a GPU is visible: the preset would run")
     assert main(["bench", "--preset", "gpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "jaxdp: error: --preset gpu needs CUDA GPUs and nvidia-smi lists none; --dry-run prints the rows it runs"
+    assert err == ("jaxdp: error: --preset gpu needs CUDA GPUs and neither nvidia-smi nor torch sees one; --dry-run "
+                   "prints the rows it runs")
     assert main(["bench", "--preset", "cpu"]) == 2 and "the one preset is gpu" in capsys.readouterr().err
 
 

@@ -139,19 +139,28 @@ def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: flo
 
 def step_memory(strategy, batch_per_device: int, image_size: int) -> dict:
     """``memory_analysis()`` of the strategy's step at this per-device batch, compiled from shapes alone."""
+    from jaxdp.analysis.hlo import compiled_memory
+
+    return with_total(compiled_memory(compile_from_shapes(strategy, batch_per_device, image_size)))
+
+
+def compile_from_shapes(strategy, batch_per_device: int, image_size: int):
+    """The strategy's step compiled for an image batch of this size, from shapes alone (nothing
+    is allocated); sets ``strategy.shapes``."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from jaxdp.analysis.hlo import compiled_memory
 
     rows = batch_per_device * strategy.num_devices
     split = NamedSharding(strategy.mesh, P(strategy.batch_axes))
     batch = {"image": jax.ShapeDtypeStruct((rows, image_size, image_size, 3), strategy.model.dtype, sharding=split),
              "label": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=split)}
-    memory = compiled_memory(strategy.lower_step(strategy.abstract_state(batch), batch).compile())
-    memory["total"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-    return memory
+    return strategy.lower_step(strategy.abstract_state(batch), batch).compile()
+
+
+def with_total(memory: dict) -> dict:
+    """``memory`` plus ``total`` = argument + output - alias + temp: the donated state counted once."""
+    return dict(memory, total=memory["argument"] + memory["output"] - memory["alias"] + memory["temp"])
 
 
 def largest_batch(total: Callable[[int], int], b: int, capacity: float, verify: bool = True) -> dict:

@@ -25,6 +25,7 @@ import numpy as np
 
 from torch_commands.bench import cuda_host, levers
 from torch_commands.bench.jax_side import cores_for
+from torch_commands.bench.torch_side import compile_preflight
 
 
 def bench_bare(cfg: dict, images: np.ndarray, labels: np.ndarray, *, with_torch: bool, timeout_s: float,
@@ -39,7 +40,11 @@ def bench_bare(cfg: dict, images: np.ndarray, labels: np.ndarray, *, with_torch:
         runs["torch_compile"] = lambda: bare_torch(dict(cfg, warmup=max(cfg["warmup"], 1)), images, labels, timeout_s,
                                                    compile_backend)
     rec = {"batch_per_device": int(len(images))}
+    missing = compile_preflight(compile_backend, cuda_host()) if "torch_compile" in runs else None
     for fw, run in runs.items():
+        if fw == "torch_compile" and missing:
+            rec[fw] = {"error": missing}
+            continue
         try:
             rec[fw] = run()
             rec[fw]["median_step_s"] = statistics.median(rec[fw]["step_times_s"])

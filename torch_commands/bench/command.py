@@ -20,7 +20,7 @@ from torch_commands.bench.gpu_preset import quick_markdown
 from torch_commands.bench.jax_side import prepare_jax
 from torch_commands.bench.layouts import layout_markdown, run_layouts
 from torch_commands.bench.levers import LEVERS, levers
-from torch_commands.bench.report import HEADER, markdown, plots
+from torch_commands.bench.report import HEADER, exit_status, markdown, plots, problems_markdown
 from torch_commands.bench.runner import run_bench
 from torch_commands.bench.variants import add_variant_args, axes_from
 
@@ -73,6 +73,12 @@ def add_bench_args(p) -> None:
                    help="gpu: ResNet-18 bf16 at 256 and 512 per device, every strategy, N = 1 and every GPU, torch "
                         "eager and torch.compile (torch_commands/bench/gpu_preset.py)")
     p.add_argument("--dry-run", action="store_true", help="with --preset: print the rows it would run, run none")
+    p.add_argument("--mock-gpus", type=int, default=None, metavar="N",
+                   help="with --preset gpu --quick: also compile and run each strategy's N-GPU step on this one GPU "
+                        "(JAX's mock topology; jaxdp.analysis.mock_topology): overlap, memory vs formula, step time")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="with --preset gpu --quick: seconds the whole bench may take; what it leaves no time to start "
+                        "is NOT RUN (exit 3) (default 300; 0: none)")
 
 
 def _resolve(args) -> dict:
@@ -123,15 +129,16 @@ def run(args) -> int:
         return run_preset(args, strategies, lambda result: write(result, args))
     prepare_jax(max(cfg["n"]))
     print(HEADER)
-    write(run_bench(cfg, strategies, with_torch=args.torch, timeout_s=args.timeout,
-                    pipeline_images=args.pipeline_images), args)
-    return 0
+    result = run_bench(cfg, strategies, with_torch=args.torch, timeout_s=args.timeout,
+                       pipeline_images=args.pipeline_images)
+    write(result, args)
+    return exit_status(result)
 
 
 def write(result: dict, args) -> None:
     """bench.json, bench.md and the PNG under ``--out``; the Markdown printed too."""
     os.makedirs(args.out, exist_ok=True)
-    md = markdown(result) + bare_markdown(result) + quick_markdown(result)
+    md = markdown(result) + bare_markdown(result) + quick_markdown(result) + problems_markdown(result)
     with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:

@@ -10,14 +10,20 @@ at the same per-device batch. Target: >= 100k img/s on one H100 (its bf16 ceilin
 297k).
 
 ``--preset gpu --quick`` (``make gpu-bench``) is sized for scarce GPU time, <= 5 minutes on
-one H100: one GPU, batch 512, ddp only, no bare rows. It reports jaxdp's step rate, ``jaxdp
-train``'s end-to-end rate (a run with train's own defaults for the data path, before the
-bench starts jax in this process, so it has the GPU to itself), torch eager (tuned) and
-torch.compile, MFU from the bench and from train's records (the same ``jaxdp.run.flops.mfu``),
-and the host input pipeline's images/s.
+one H100, a deadline the run enforces (``QUICK_DEADLINE_S``, ``--deadline``): one GPU, batch
+512, ddp only, no bare rows. It reports jaxdp's step rate, ``jaxdp train``'s end-to-end rate (a
+run with train's own defaults for the data path, before the bench starts jax in this process,
+so it has the GPU to itself), torch eager (tuned) and torch.compile, MFU from the bench and
+from train's records (the same ``jaxdp.run.flops.mfu``), and the host input pipeline's images/s.
+
+Honest and bounded: every component that errors (train, the jaxdp step, torch eager,
+torch.compile, whose preflight names a missing C compiler, Python headers or Triton) is shown
+with its error and makes the exit status 1; one the deadline leaves no time to start is NOT
+RUN, exit 3 (``report.problems``). JAX's preallocation is turned off here, before JAX starts
+(torch's ranks share the GPU), not only by the Makefile.
 
 Without a GPU the preset refuses in one line; ``--dry-run`` prints what it would run,
-anywhere.
+anywhere. The GPU count is ``nvidia-smi``'s, else torch's.
 
 Torch- and jax-free at import.
 """
@@ -32,6 +38,8 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
+from torch_commands.deadline import Deadline
+
 PRESET = dict(model="resnet18", width=64, blocks=None, dtype="bfloat16", optimizer="sgd", steps=20, warmup=5,
               torch_compile="inductor")
 QUICK_BATCH = 512
@@ -39,21 +47,44 @@ QUICK_STRATEGY = "ddp"
 TRAIN_STEPS = 60  # jaxdp train's end-to-end run: the rate is the median of its records after TRAIN_SKIP
 TRAIN_SKIP = 10
 TRAIN_TIMEOUT_S = 240
+QUICK_DEADLINE_S = 300.0  # make gpu-bench: <= 5 minutes on one H100
 BATCHES_PER_DEVICE = (256, 512)
 ASSUMED_GPUS = 8  # what a dry run on a host without GPUs plans for
 
 
 def visible_gpus() -> int:
-    """GPUs ``nvidia-smi -L`` lists (within ``CUDA_VISIBLE_DEVICES`` when set), without starting jax."""
-    if not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
+    """GPUs ``nvidia-smi -L`` lists (within ``CUDA_VISIBLE_DEVICES`` when set), else the CUDA GPUs
+    torch counts (an image without nvidia-smi); never by starting jax."""
+    listed = _nvidia_smi_list()
+    if listed is None:
+        return _torch_gpus()
     count = sum(line.startswith("GPU ") for line in listed.splitlines())
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return min(count, len([d for d in visible.split(",") if d.strip()])) if visible is not None else count
+
+
+def _nvidia_smi_list() -> Optional[str]:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _torch_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def jax_off_preallocation() -> None:
+    """JAX takes memory as it needs it, leaving the rest to torch's ranks on the same GPUs; only
+    effective before jax starts its backend (a value the user set is kept)."""
+    if "jax" not in sys.modules:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def device_counts(gpus: int, asked: Sequence[int] = ()) -> List[int]:
@@ -106,8 +137,10 @@ def train_argv(out: str) -> List[str]:
             "--no-progress", "--no-tensorboard", "--out", out, "--overwrite"]
 
 
-def quick_plan_text(gpus: int, out: str, strategies: Sequence[str]) -> str:
+def quick_plan_text(gpus: int, out: str, strategies: Sequence[str], deadline_s: Optional[float] = None,
+                    mock_gpus: Optional[int] = None) -> str:
     b = QUICK_BATCH
+    deadline_s = QUICK_DEADLINE_S if deadline_s is None else deadline_s
     return "\n".join([
         f"jaxdp bench --preset gpu --quick: {PRESET['model']} width {PRESET['width']}, {PRESET['dtype']} compute with "
         f"fp32 master weights, one GPU, batch {b}; "
@@ -118,6 +151,11 @@ def quick_plan_text(gpus: int, out: str, strategies: Sequence[str]) -> str:
           f"jaxdp vs torch_ref (tuned eager) and torch_ref + torch.compile ({PRESET['torch_compile']}); MFU"
           for name in strategies],
         "  3. host input pipeline: numpy epoch_batches with augmentation, images/s",
+        *([f"  4. mock {mock_gpus}-GPU topology: python -m jaxdp.analysis.mock_topology --devices {mock_gpus} "
+           "(each strategy's N-GPU step on this GPU: overlap, memory vs formula, step time vs N = 1)"]
+          if mock_gpus else []),
+        (f"  deadline {deadline_s:.0f} s: what it leaves no time to start is NOT RUN (exit 3); " if deadline_s else
+         "  no deadline; ") + "an error in any part exits 1",
     ])
 
 
@@ -131,18 +169,46 @@ def _train_rate(out: str) -> dict:
             "mfu": statistics.median(mfus) if mfus else None, "records": len(records)}
 
 
-def run_train(out: str, timeout_s: float = TRAIN_TIMEOUT_S) -> dict:
-    """``jaxdp train`` in a child process (its own jax, the GPU to itself); a failure is recorded."""
-    argv = [sys.executable, "-m", "jaxdp.cli", *train_argv(out)]
+def run_child(argv: List[str], command: str, timeout_s: float):
+    """``python ARGV`` in a child process (its own jax, the GPU to itself, preallocation off):
+    ({"command": command}, its CompletedProcess), or that record with its ``error`` and None on a timeout."""
+    rec = {"command": command}
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    rec = {"command": " ".join(["jaxdp", *argv[3:]])}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+        return rec, subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout_s,
+                                   env=env)
     except subprocess.TimeoutExpired:
-        return dict(rec, error=f"no result in {timeout_s:.0f} s")
+        return dict(rec, error=f"no result in {timeout_s:.0f} s"), None
+
+
+def run_train(out: str, timeout_s: float = TRAIN_TIMEOUT_S) -> dict:
+    """``jaxdp train`` in a child process; a failure is recorded as the record's ``error``."""
+    rec, done = run_child(["-m", "jaxdp.cli", *train_argv(out)], " ".join(["jaxdp", *train_argv(out)]), timeout_s)
+    if done is None:
+        return rec
     if done.returncode:
         return dict(rec, error=f"exit {done.returncode}: {done.stderr.strip()[-1500:]}")
     return dict(rec, **_train_rate(out))
+
+
+MOCK_TIMEOUT_S = 240
+
+
+def run_mock_topology(devices: int, out: str, timeout_s: float) -> dict:
+    """``python -m jaxdp.analysis.mock_topology`` in a child process (the mock is set before its jax
+    starts): N GPUs' compiled steps on this one. A jax that cannot mock says so (``unsupported``:
+    reported, not an error); a step that fails is an error."""
+    argv = ["-m", "jaxdp.analysis.mock_topology", "--devices", str(devices), "--out", out]
+    rec, done = run_child(argv, " ".join(["python", *argv]), timeout_s)
+    if done is None:
+        return rec
+    try:
+        with open(os.path.join(out, "mock.json")) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return dict(rec, error=f"exit {done.returncode}, no report: {done.stderr.strip()[-800:]}")
+    errors = [f"{r['strategy']}: {r['error']}" for r in report["rows"] if "error" in r]
+    return dict(rec, report=report, **({"error": "; ".join(errors)[:800]} if errors else {}))
 
 
 def quick_markdown(result: dict) -> str:
@@ -168,37 +234,58 @@ def quick_markdown(result: dict) -> str:
              f"| jaxdp / best torch (step time) | {fmt(row.get('ratio_jax_over_best_torch'), '.2f')} | "
              f"best: {row.get('best_torch', '-')} |",
              f"| host input pipeline | {fmt(pipe)} | numpy, one thread |"]
+    for name, rec in (result.get("extra") or {}).items():
+        if rec.get("report"):
+            from jaxdp.analysis.mock_topology import markdown as mock_markdown
+
+            lines += ["", mock_markdown(rec["report"])]
     return "\n".join(lines)
 
 
 def run_quick(args, strategies: Sequence[str], write) -> int:
+    """The <= 5 minute bench, every component within the deadline; the exit status says whether
+    each ran (``report.exit_status``)."""
     from torch_commands.bench.jax_side import prepare_jax
+    from torch_commands.bench.report import exit_status
     from torch_commands.bench.runner import run_bench
 
-    train = run_train(os.path.join(args.out, "train"))  # first: before this process's jax takes the GPU
+    deadline = Deadline(QUICK_DEADLINE_S if args.deadline is None else args.deadline)
+    # first: before this process's jax takes the GPU
+    train = run_train(os.path.join(args.out, "train"), deadline.timeout(TRAIN_TIMEOUT_S))
     prepare_jax(1)
     result = run_bench(preset_config(args, global_batch=QUICK_BATCH, n=(1,), bare=False), strategies,
-                       with_torch=args.torch, timeout_s=args.timeout, pipeline_images=args.pipeline_images)
+                       with_torch=args.torch, timeout_s=args.timeout, pipeline_images=args.pipeline_images,
+                       deadline=deadline)
     result["train"] = train
+    if args.mock_gpus:
+        name = f"mock {args.mock_gpus}-GPU topology"
+        result.setdefault("extra", {})[name] = (
+            {"not_run": deadline.why()} if deadline.passed() else
+            run_mock_topology(args.mock_gpus, os.path.join(args.out, f"mock{args.mock_gpus}"),
+                              deadline.timeout(MOCK_TIMEOUT_S)))
+    result["deadline_s"], result["seconds"] = deadline.seconds, deadline.elapsed()
     write(result)
-    return 0
+    return exit_status(result)
 
 
 def run_preset(args, strategies: Sequence[str], write) -> int:
     """The preset's rows (``--dry-run``: printed, not run); ``write(result)`` saves the merged result."""
     from torch_commands.bench.jax_side import prepare_jax
+    from torch_commands.bench.report import exit_status
     from torch_commands.bench.runner import BenchError, run_bench
 
+    jax_off_preallocation()
     gpus = visible_gpus()
     ns = device_counts(gpus or ASSUMED_GPUS, args.n or ())
     if args.quick:
         strategies = strategies if args.strategies else [QUICK_STRATEGY]
     if args.dry_run:
-        print(quick_plan_text(gpus, args.out, strategies) if args.quick else
+        print(quick_plan_text(gpus, args.out, strategies, args.deadline, args.mock_gpus) if args.quick else
               dry_run_text(planned_rows(ns, strategies), gpus))
         return 0
     if not gpus:
-        raise BenchError("--preset gpu needs CUDA GPUs and nvidia-smi lists none; --dry-run prints the rows it runs")
+        raise BenchError("--preset gpu needs CUDA GPUs and neither nvidia-smi nor torch sees one; --dry-run prints the "
+                         "rows it runs")
     if args.quick:
         return run_quick(args, strategies, write)
     prepare_jax(max(ns))
@@ -209,4 +296,4 @@ def run_preset(args, strategies: Sequence[str], write) -> int:
               "runs": [{"config": run["config"], "bare": run["bare"]} for run in runs]}
     scaling_efficiency(result["rows"])
     write(result)
-    return 0
+    return exit_status(result)

@@ -61,7 +61,9 @@ def bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarr
     """One row's jaxdp record on N devices, or on the named ``mesh`` ({"data": 2, "model": 2}: N = its
     product); ``options``: the strategy's own, for this row (``variants.py``); ``lever``: the
     row's ``levers.LEVERS`` entry (None: default)."""
-    with cores_for(n):
+    import jax
+
+    with cores_for(n), jax.enable_x64(cfg["dtype"] == "float64"):  # 64-bit types for this row only
         rec = _bench_jax(name, n, cfg, images, labels, options or {}, mesh, lever)
     rec["cores"] = n if not cuda_host() else None
     return rec
@@ -72,6 +74,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     import jax
 
     from jaxdp import analysis as ins
+    from jaxdp.analysis.plan import with_total
     from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
@@ -103,9 +106,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     try:
         compiled = strategy.lower_step(state, batch).compile()
         run = compiled
-        rec["memory"] = ins.compiled_memory(compiled)
-        m = rec["memory"]
-        m["total"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
+        rec["memory"] = with_total(ins.compiled_memory(compiled))
         rec["collectives"] = ins.parse_collectives(compiled.as_text(), n)
         rec["compile_s"] = time.perf_counter() - t0
     except Exception as e:  # no AOT path: the first call compiles (and runs one step)

@@ -67,11 +67,6 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         cells = _row_cells(r)[:HEADER.count("|") - 1]
         lines.append("| " + " | ".join(cells) + " |")
-    errors = [(r["strategy"], r["n"], fw, r[fw]["error"]) for r in result["rows"]
-              for fw in ("jaxdp", "torch_ref", "torch_compile")
-              if isinstance(r.get(fw), dict) and "error" in r[fw]]
-    for s, n, fw, err in errors:
-        lines.append(f"\n- error {fw} {s} N={n}: `{err.splitlines()[0][:200] if err else ''}`")
     if result.get("peak_flops"):
         lines += ["", f"MFU: {result['flop_per_image'] / 1e9:.3g} GFLOP per trained image (jaxdp.run.flops), "
                       f"peak {result['peak_flops'] / 1e12:.4g} TFLOP/s per device (jaxdp.run.perf.PEAK_FLOPS)."]
@@ -80,11 +75,57 @@ def markdown(result: dict) -> str:
                 lines.append(f"- MFU {r['strategy']} N={r['n']}: jaxdp {r['mfu_jaxdp']:.1%}, torch_ref "
                              f"{_fmt(r.get('mfu_torch_ref'), '.1%')}, torch.compile {_fmt(r.get('mfu_torch_compile'), '.1%')}")
     p = result.get("pipeline")
-    if p:
+    if p and "images_per_s" in p:
         lines += ["", f"Input pipeline (numpy, epoch_batches with augmentation, {p['replicas']} replicas): "
                       f"{p['images_per_s']:.0f} images/s on the host; best jaxdp training rate "
                       f"{_fmt(p.get('best_jaxdp_train_images_per_s'), '.1f')} images/s; headroom "
                       f"{_fmt(p.get('headroom'), '.1f')}x."]
+    return "\n".join(lines)
+
+
+FRAMEWORKS = ("jaxdp", "torch_ref", "torch_compile")
+
+
+def problems(result: dict) -> dict:
+    """Every component of a bench result that errored or did not run: {"errors": ["what: message"],
+    "not_run": [...]}; a bench that has any exits non-zero (``exit_status``)."""
+    found = {"errors": [], "not_run": []}
+
+    def note(what: str, rec) -> None:
+        if isinstance(rec, dict):
+            for key, into in (("error", "errors"), ("not_run", "not_run")):
+                if rec.get(key):
+                    found[into].append(f"{what}: {str(rec[key]).strip().splitlines()[-1][:400]}")
+
+    for r in result.get("rows", []):
+        for fw in FRAMEWORKS:
+            note(f"{r['strategy']} N={r['n']} {fw}", r.get(fw))
+    for key, bare in (result.get("bare") or {}).items():
+        for side, rec in (bare or {}).items():
+            note(f"bare N={key} {side}", rec)
+    note("jaxdp train", result.get("train"))
+    note("input pipeline", result.get("pipeline"))
+    for name, rec in (result.get("extra") or {}).items():
+        note(name, rec)
+    return found
+
+
+def exit_status(result: dict) -> int:
+    """0: every component ran; 1: one errored (a torch.compile that failed included); 3: none
+    errored but one was not run (the deadline)."""
+    found = problems(result)
+    return 1 if found["errors"] else 3 if found["not_run"] else 0
+
+
+def problems_markdown(result: dict) -> str:
+    """Each component that errored or did not run, with its message: a bench that has one exits
+    non-zero, and says why here."""
+    found = problems(result)
+    if not (found["errors"] or found["not_run"]):
+        return ""
+    lines = ["", f"**{len(found['errors'])} component(s) failed, {len(found['not_run'])} not run** "
+                 f"(exit {exit_status(result)}):", ""]
+    lines += [f"- ERROR {e}" for e in found["errors"]] + [f"- NOT RUN {e}" for e in found["not_run"]]
     return "\n".join(lines)
 
 
@@ -108,7 +149,8 @@ def plots(result: dict, out: str, tag: str) -> List[str]:
     ax.set_xlabel("devices / ranks N")
     ax.set_ylabel("images/s")
     ax.set_title("throughput")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # no row timed: nothing to label
+        ax.legend(fontsize=7)
     nmax = max((r["n"] for r in rows), default=1)
     last = [r for r in rows if r["n"] == nmax and (r.get("jaxdp") or {}).get("memory")]
     xs = np.arange(len(last))

@@ -14,11 +14,13 @@ import numpy as np
 from jaxdp import registry
 from jaxdp.cli.commands import CommandError
 from jaxdp.run.perf import peak_flops
+from torch_commands.bench import cuda_host
 from torch_commands.bench.bare import add_overheads, bench_bare
 from torch_commands.bench.jax_side import bench_jax, bench_pipeline
 from torch_commands.bench.report import row_line
-from torch_commands.bench.torch_side import bench_torch, torch_twin
+from torch_commands.bench.torch_side import bench_torch, compile_preflight, torch_twin
 from torch_commands.bench.variants import variants
+from torch_commands.deadline import Deadline
 
 
 def environment() -> dict:
@@ -81,14 +83,19 @@ def bare_key(n: int, lever) -> str:
 
 
 def _row(name: str, n: int, options: dict, lever, cfg: dict, images: np.ndarray, labels: np.ndarray, *,
-         order_jax_first: bool, with_torch: bool, timeout_s: float) -> dict:
+         order_jax_first: bool, with_torch: bool, timeout_s: float, deadline: Optional[Deadline] = None) -> dict:
     """One (N, strategy, options, lever) row: jaxdp and, if asked and the strategy has a twin,
-    torch_ref (eager and compiled), in the given order."""
+    torch_ref (eager and compiled), in the given order. A side that raises keeps its error in the
+    row; one the ``deadline`` does not leave time to start is NOT RUN (``problems``)."""
     row = {"strategy": name, "n": n, "options": options, "lever": lever, "bare_key": bare_key(n, lever),
            "mesh_shape": registry.mesh_shape(name, n), "global_batch": cfg["global_batch"],
            "order": "jaxdp first" if order_jax_first else "torch_ref first", "loadavg_before": list(os.getloadavg())}
+    deadline = deadline or Deadline(None)
 
     def do_jax():
+        if deadline.passed():
+            row["jaxdp"] = {"not_run": deadline.why()}
+            return
         try:
             row["jaxdp"] = _summary(bench_jax(name, n, cfg, images.reshape(-1, 32, 32, 3), labels.reshape(-1),
                                               options, lever=lever), cfg["global_batch"])
@@ -97,11 +104,17 @@ def _row(name: str, n: int, options: dict, lever, cfg: dict, images: np.ndarray,
 
     def do_torch():
         for key, backend in torch_runs(cfg):
-            try:
-                row[key] = _summary(bench_torch(name, n, cfg, images, labels, timeout_s, options,
-                                                compile_backend=backend), cfg["global_batch"])
-            except Exception as e:
-                row[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+            missing = compile_preflight(backend, cuda_host())
+            if missing:
+                row[key] = {"error": missing}
+            elif deadline.passed():
+                row[key] = {"not_run": deadline.why()}
+            else:
+                try:
+                    row[key] = _summary(bench_torch(name, n, cfg, images, labels, deadline.timeout(timeout_s),
+                                                    options, compile_backend=backend), cfg["global_batch"])
+                except Exception as e:
+                    row[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
 
     runs = [do_jax] + ([do_torch] if with_torch and torch_twin(name) is not None else [])
     for run in runs if order_jax_first else runs[::-1]:
@@ -146,7 +159,9 @@ class BenchError(CommandError):
 
 
 def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, timeout_s: float = 600.0,
-              pipeline_images: int = 4096, log=print) -> dict:
+              pipeline_images: int = 4096, log=print, deadline: Optional[Deadline] = None) -> dict:
+    """Every (N, strategy, options, lever) row, the bare steps and the input pipeline. Nothing is
+    started once ``deadline`` has passed (what is left is NOT RUN: ``problems``)."""
     import jax
 
     env = environment()
@@ -176,17 +191,21 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
                                                       compile_backend=cfg.get("torch_compile"))
             for name, options in [(s, o) for s in strategies for o in variants(s, cfg.get("variants", {}))]:
                 row = _row(name, n, options, lever, cfg, images, labels, order_jax_first=len(rows) % 2 == 0,
-                           with_torch=with_torch and first, timeout_s=timeout_s)
+                           with_torch=with_torch and first, timeout_s=timeout_s, deadline=deadline)
                 add_overheads(row, bare.get(row["bare_key"], {}))
                 add_mfu(row, fpi, peak)
                 rows.append(row)
                 log(row_line(row))
-    pipe = bench_pipeline(max(ns), cfg["global_batch"], pipeline_images) if ns else None
+    if deadline is not None and deadline.passed():
+        pipe = {"not_run": deadline.why()}
+    else:
+        pipe = bench_pipeline(max(ns), cfg["global_batch"], pipeline_images) if ns else None
     best = max((r["jaxdp"]["images_per_s"] for r in rows if r.get("jaxdp", {}).get("images_per_s")), default=None)
-    if pipe and best:
+    if pipe and best and "images_per_s" in pipe:
         pipe["best_jaxdp_train_images_per_s"] = best
         pipe["headroom"] = pipe["images_per_s"] / best
     env["loadavg_end"] = list(os.getloadavg())
     return {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
             "strategies": list(strategies), "environment": env, "peak_flops": peak, "flop_per_image": fpi,
             "rows": rows, "bare": bare, "pipeline": pipe}
+

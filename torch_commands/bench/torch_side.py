@@ -5,10 +5,13 @@ Torch-free at import: the ranks (forkserver children) import this module to run 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
+import sysconfig
 import time
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 
@@ -69,6 +72,29 @@ def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def compile_preflight(backend: Optional[str], cuda: bool) -> Optional[str]:
+    """What ``torch.compile(backend="inductor")`` needs and this host lacks, in one line; None when
+    nothing is missing (or for another backend). Inductor builds C++ kernels on a CPU and Triton
+    kernels on a GPU; Triton compiles its launcher with a C compiler against Python's headers."""
+    if backend != "inductor":
+        return None
+    missing: List[str] = []
+    wanted = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    if not cuda:
+        wanted = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    if not any(shutil.which(c) for c in wanted):
+        missing.append(f"a {'C' if cuda else 'C++'} compiler (none of {', '.join(wanted)} on PATH)")
+    header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if not os.path.exists(header):
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        missing.append(f"Python's headers ({header} is missing: e.g. apt install python{version}-dev)")
+    if cuda and importlib.util.find_spec("triton") is None:
+        missing.append("triton (pip install triton)")
+    if not missing:
+        return None
+    return f"torch.compile preflight: inductor needs {'; '.join(missing)}; or leave out --torch-compile"
 
 
 def torch_twin(name: str) -> Optional[str]:
