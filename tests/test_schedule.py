@@ -23,7 +23,7 @@ from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import fsdp_units
 from jaxdp.optim import make_optimizer
 from jaxdp.strategies import create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 UNITS = ["layer1/0", "layer2/0", "layer3/0", "layer4/0"]  # the tiny ResNet-18's FSDP units, in forward order
 

@@ -95,7 +95,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _user_errors():
     """Exceptions that mean 'the user asked for something impossible': one line, no traceback."""
-    from jaxdp.run.checkpoint import CheckpointError
+    from jaxdp.checkpoint import CheckpointError
     from jaxdp.data import DatasetError
     from jaxdp.models import ModelError
     from jaxdp.optim import ConfigError
