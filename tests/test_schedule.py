@@ -119,7 +119,7 @@ def test_gpu_overlaps_reductions_with_backward_compute(tmp_path):
 
 
 def test_inspect_prints_the_schedule_it_measured(capsys):
-    from jaxdp.analysis.command import print_schedule
+    from jaxdp.cli.inspect_command import print_schedule
 
     op = sched.Op(3, "all-gather.1", "all-gather", None, "forward", "layer1/0/conv1", 2048.0)
     print_schedule({"backend": "cpu", "schedule": [op.__dict__]})
