@@ -1,8 +1,8 @@
 """The training loop: data -> strategy.step -> records, evaluation and checkpoints.
 
-It knows nothing about which strategy runs; it only asks the strategy to place the state
-and batches, step, evaluate, and convert to the checkpoint layout. What it builds first is
-in ``train_setup``, where it starts from (fresh or a checkpoint) in ``resume``, the run
+It knows nothing about which strategy runs; it drives a ``jaxdp.Trainer`` as a user would:
+init or restore, step, evaluate, save (``Trainer.save``, with the run's record). What it builds
+first is in ``setup``, where it starts from (fresh or a checkpoint) in ``resume``, the run
 directory's files in ``rundir``, signals in ``interrupts``, MFU, memory and profiling in
 ``perf``.
 
