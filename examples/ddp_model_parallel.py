@@ -26,7 +26,7 @@ import optax  # noqa: E402
 from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models.toy import ToyMpModel  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.api.task import classifier  # noqa: E402
+from jaxdp.loss.task import classifier  # noqa: E402
 
 BATCH, STEPS = 20, 30
 

@@ -22,7 +22,7 @@ from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
 from jaxdp.optim import make_optimizer, make_schedule  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.api.task import classifier  # noqa: E402
+from jaxdp.loss.task import classifier  # noqa: E402
 from jaxdp.run.setup import example_batch  # noqa: E402
 
 DEVICES, PER_DEVICE_BATCH, STEPS = 4, 16, 40

@@ -10,11 +10,13 @@ optimizers know nothing about which strategy runs.
 
 __version__ = "0.2.0"
 
-# Lazy: `import jaxdp` must not import jax (the CLI sets XLA_FLAGS first).
+# Lazy: `import jaxdp` must not import jax (the CLI sets XLA_FLAGS first). Each name: its module.
 _EXPORTS = {"Trainer": "api.trainer", "StrategySpec": "api.trainer", "DDP": "api.trainer", "ZeRO": "api.trainer",
-            "HSDP": "api.trainer", "DataParallel": "api.trainer", "AsyncPS": "api.trainer", "classifier": "api.task",
-            "make_mesh": "runtime.mesh", "UsageError": "api.validate", "clip_by_global_norm": "api.reductions",
-            "global_mean": "api.reductions"}
+            "HSDP": "api.trainer", "DataParallel": "api.trainer", "AsyncPS": "api.trainer", "classifier": "loss.task",
+            "make_mesh": "runtime.mesh", "UsageError": "api.validate", "clip_by_global_norm": "loss.reductions",
+            "global_mean": "loss.reductions"}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
@@ -25,3 +27,8 @@ def __getattr__(name):
     value = getattr(importlib.import_module(f"jaxdp.{_EXPORTS[name]}"), name)
     globals()[name] = value
     return value
+
+
+def __dir__():
+    """The public names too, before their first use (``dir(jaxdp)``, tab completion), importing nothing."""
+    return sorted(set(globals()) | set(__all__))

@@ -238,7 +238,7 @@ def make_optimizer(name: str, learning_rate: float | optax.Schedule, *, momentum
     """
     _choice("optimizer", name, OPTIMIZERS)
     if clip_grad_norm is not None:
-        from jaxdp.api.reductions import clip_by_global_norm
+        from jaxdp.loss.reductions import clip_by_global_norm
 
         if not _nonneg("clip_grad_norm", clip_grad_norm) > 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")

@@ -36,7 +36,7 @@ def jax_strategy(p: Plan, variables=None):
     from jaxdp.models import create_model, fsdp_units
     from jaxdp.optim import make_optimizer, make_schedule
     from jaxdp.strategies import create_strategy, options_of
-    from jaxdp.api.task import classifier
+    from jaxdp.loss.task import classifier
 
     cfg = p.cfg
     model = create_model(cfg.model, num_classes=cfg.num_classes, dtype=cfg.dtype, **cfg.model_options())

@@ -149,7 +149,7 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
     from jaxdp.interop import tree_to_torch_names
     from jaxdp.runtime.mesh import make_mesh
     from jaxdp.strategies import create_strategy, options_of
-    from jaxdp.api.task import classifier
+    from jaxdp.loss.task import classifier
 
     axes = mesh_axes or {"data": cfg.data, "model": cfg.model}
     name = cfg.strategy if axes != {"data": 1} else "ddp"

@@ -14,7 +14,7 @@ def tiny_strategy(name: str, devices: int):
     from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model
     from jaxdp.strategies import create_strategy
-    from jaxdp.api.task import classifier
+    from jaxdp.loss.task import classifier
 
     model = create_model("resnet18", width=4, blocks=(1, 1, 1, 1), dtype="float32")
     return create_strategy(name, model, classifier(model), optax.sgd(0.1), make_mesh(devices))

@@ -67,7 +67,7 @@ def random_batch(n, size=8, seed=0, dtype=np.float64):
 
 
 def as_batch(images, labels, mask=None):
-    """The classifier task's batch pytree (``jaxdp.api.task.classifier``): host arrays, global batch."""
+    """The classifier task's batch pytree (``jaxdp.loss.task.classifier``): host arrays, global batch."""
     batch = {"image": images, "label": labels}
     return batch if mask is None else {**batch, "mask": mask}
 
@@ -108,7 +108,7 @@ def resumed_on(a, b, variables, batches, split, directory):
     """``a`` trains from full ``variables`` on ``batches[:split]``, saves a checkpoint in
     ``directory``; ``b`` (another strategy or mesh) restores it into a target that builds
     nothing, trains on the rest and returns its canonical state (to compare with one run)."""
-    from jaxdp.run.checkpoint import Checkpointer
+    from jaxdp.checkpoint import Checkpointer
 
     ckpt = Checkpointer(str(directory))
     ckpt.save(split, a.stored(stepped(a, a.init_state(variables), batches[:split])), {"step": split})

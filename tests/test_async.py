@@ -16,7 +16,7 @@ from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import StrategyError, create_strategy  # noqa: E402
 from jaxdp.strategies.async_ps import AsyncPS  # noqa: E402
 from jaxdp.strategies.ddp import DDP  # noqa: E402
-from jaxdp.api.task import classifier, cross_entropy  # noqa: E402
+from jaxdp.loss.task import classifier, cross_entropy  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp.run.checkpoint import MANIFEST, CheckpointError, Checkpointer, CheckpointWarning
+from jaxdp.checkpoint import MANIFEST, CheckpointError, Checkpointer, CheckpointWarning
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import layout

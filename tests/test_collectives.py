@@ -89,7 +89,7 @@ def test_ddp_ring_equals_per_shard_reference():
     from helpers import TinyConvNet, init, max_rel_error, random_batch
 
     from jaxdp.strategies import create_strategy
-    from jaxdp.api.task import classifier, cross_entropy
+    from jaxdp.loss.task import classifier, cross_entropy
 
     model, n = TinyConvNet(), 4
     variables = init(model)  # params only: a BN-free model's model_state is {}

@@ -23,7 +23,7 @@ from jaxdp.strategies.sync.low_precision import low_precision_reduce  # noqa: E4
 from jaxdp.strategies.sync.powersgd import PowerSGD  # noqa: E402
 from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.api.task import classifier, cross_entropy  # noqa: E402
+from jaxdp.loss.task import classifier, cross_entropy  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 
@@ -225,7 +225,7 @@ def test_powersgd_resumes_on_another_device_count_from_the_mean_error(tmp_path, 
     sync/powersgd.py's docstring), and the next three steps are the uninterrupted 4-device
     run's: params, optimizer state, Q and mean error within 1e-12 (float64). Resumed with
     zero errors instead, the run is another one: the saved errors carry real state."""
-    from jaxdp.run.checkpoint import Checkpointer
+    from jaxdp.checkpoint import Checkpointer
 
     model, start = TinyConvNet(), 2
     variables = {"params": init(model)["params"]}  # model_state {}, as abstract_state's model.init has it

@@ -16,7 +16,7 @@ import pytest
 
 import jaxdp
 from helpers import max_rel_error
-from jaxdp.api.model_task import OuterModelError
+from jaxdp.loss.model_task import OuterModelError
 from jaxdp.parallel.protocol import column_features, row_parallel
 from jaxdp.parallel.tensor import Column, Row
 from jaxdp.strategies import StrategyError

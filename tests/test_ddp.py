@@ -11,7 +11,7 @@ from helpers import TinyConvNet, as_batch, collectives_in_loops, init, max_rel_e
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.optim import make_optimizer
 from jaxdp.strategies import create_strategy
-from jaxdp.api.task import classifier, cross_entropy
+from jaxdp.loss.task import classifier, cross_entropy
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 

@@ -17,7 +17,7 @@ from helpers import TinyBNNet, TinyConvNet, as_batch, max_rel_error, numpy_init 
 from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.api.task import classifier  # noqa: E402
+from jaxdp.loss.task import classifier  # noqa: E402
 
 pytestmark = pytest.mark.float64  # exact comparisons in float64 (conftest turns x64 on)
 

@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
-from jaxdp.run.checkpoint import MANIFEST, Checkpointer, CheckpointCorrupt, CheckpointWarning
+from jaxdp.checkpoint import MANIFEST, Checkpointer, CheckpointCorrupt, CheckpointWarning
 from jaxdp.config.tree import TrainConfig
 from jaxdp.data.loader import epoch_batches, steps_per_epoch
 from jaxdp.data.datasets import ArrayDataset

@@ -1,4 +1,4 @@
-"""Global reductions under every layout (``jaxdp.api.reductions``): the sharding-aware clip, the refusal
+"""Global reductions under every layout (``jaxdp.loss.reductions``): the sharding-aware clip, the refusal
 of optax transforms that would reduce over a device's chunk only, and ``jaxdp.global_mean``.
 
 Each case runs a tiny float64 MLP with the public API against a plain single-device optax loop
@@ -123,7 +123,7 @@ def test_whole_tree_transforms_are_refused_under_zero(tx):
                          ids=["adamw-warmup-cosine", "elementwise-clip", "jaxdp-clip"])
 def test_elementwise_transforms_pass_the_check(tx):
     """A schedule's own reductions (join_schedules sums over its boundaries) are not over the params."""
-    from jaxdp.api.reductions import StepContext, check_shardable
+    from jaxdp.loss.reductions import StepContext, check_shardable
 
     params = jax.eval_shape(MODEL.init, jax.random.key(0), jnp.zeros((2, 4)))["params"]
     check_shardable(tx, params, "zero3", StepContext("data", 2, 1, lambda tree: jnp.ones(())))

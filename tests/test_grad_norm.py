@@ -10,7 +10,7 @@ import pytest
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.strategies import create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 VIT = dict(num_classes=10, image_size=16, patch=8, dim=12, depth=1, heads=2, mlp_dim=24)  # 12 over 3: padded
 

@@ -18,7 +18,7 @@ from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model  # noqa: E402
 from jaxdp.optim import make_optimizer  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.api.task import classifier  # noqa: E402
+from jaxdp.loss.task import classifier  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 

@@ -23,7 +23,7 @@ from jaxdp.models.toy import ToyMpModel
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel import pipeline
 from jaxdp.strategies import StrategyError, create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 from parity_tests.pipeline_parallel import injected
 
 # depth 2: four pipeline layers, so two stages are (embed, block 0) and (block 1, norm + head),
@@ -197,7 +197,7 @@ import jax, numpy as np, optax
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.toy import ToyMpModel
 from jaxdp.strategies import create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 model = ToyMpModel()
 rng = np.random.default_rng(0)

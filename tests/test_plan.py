@@ -10,7 +10,7 @@ import pytest
 
 from jaxdp.analysis import inspect_strategy
 from jaxdp.analysis.plan import largest_batch, meshes, plan, recommend
-from jaxdp.analysis.plan_command import memory_size
+from jaxdp.cli.plan_command import memory_size
 from jaxdp.cli.command import main
 
 TINY = dict(width=4, blocks=(1, 1, 1, 1), image_size=16, optimizer="adam")

@@ -18,7 +18,7 @@ from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import create_model
 from jaxdp.models.resnet import BasicBlock
 from jaxdp.strategies import StrategyError, create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 STEPS = 3
 LR = 0.05

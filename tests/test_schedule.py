@@ -23,7 +23,7 @@ from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import fsdp_units
 from jaxdp.optim import make_optimizer
 from jaxdp.strategies import create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 UNITS = ["layer1/0", "layer2/0", "layer3/0", "layer4/0"]  # the tiny ResNet-18's FSDP units, in forward order
 
@@ -119,7 +119,7 @@ def test_gpu_overlaps_reductions_with_backward_compute(tmp_path):
 
 
 def test_inspect_prints_the_schedule_it_measured(capsys):
-    from jaxdp.analysis.command import print_schedule
+    from jaxdp.cli.inspect_command import print_schedule
 
     op = sched.Op(3, "all-gather.1", "all-gather", None, "forward", "layer1/0/conv1", 2048.0)
     print_schedule({"backend": "cpu", "schedule": [op.__dict__]})

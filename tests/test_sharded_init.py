@@ -16,7 +16,7 @@ from jaxdp.models import create_model, fsdp_units
 from jaxdp.strategies import create_strategy
 from jaxdp.strategies.sync.buckets import leaf_path
 from jaxdp.strategies.units import in_unit
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 N = 8
 EXAMPLE = {"image": np.zeros((1, 32, 32, 3), np.float32), "label": np.zeros((1,), np.int32)}

@@ -1,7 +1,9 @@
-"""The code's shape: imports go one way, and the jax side stands without the torch side.
+"""The code's shape: imports go one way, down jaxdp's layers, and the jax side stands without
+the torch side.
 
 The module graph is read from the source with ``ast`` (every import statement, those inside
-functions too), so a cycle or a torch import that only runs on some path is still found.
+functions too, and the ``jaxdp`` package's lazy exports), so a cycle, an import up a layer or a
+torch import that only runs on some path is still found.
 """
 
 import ast
@@ -19,6 +21,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("jaxdp", "parity_tests", "torch_ref", "torch_commands")
 TORCH_SIDE = ("torch", "torch_ref", "parity_tests", "torch_commands")
+
+# jaxdp's layers, lowest first (docs/architecture.md). A module imports from its own folder and
+# from the layers below its own, never from a layer above nor from another folder of its layer.
+# "jaxdp" is the package itself: its public names, loaded lazily from api/, loss/ and runtime/.
+LAYERS = (
+    ("registry", "runtime", "data", "loss"),  # strategy names; devices and meshes; numpy data; the loss contract
+    ("config", "optim", "parallel", "checkpoint"),  # the options tree; optimizers; model axes; the checkpoint service
+    ("models",),  # model families, with their tensor-parallel plans
+    ("strategies", "interop"),  # the strategies over one TrainState; torch state_dict <-> Flax
+    ("api", "analysis"),  # the Trainer, save/restore, input checks; inspect's and plan's measurements
+    ("jaxdp",),  # the package's public names
+    ("run",),  # jaxdp train's loop, driving a Trainer
+    ("cli",),  # the jaxdp command
+)
 
 
 def modules(root: Path = ROOT) -> dict:
@@ -62,7 +78,33 @@ def import_graph(root: Path = ROOT) -> dict:
     for name, path in found.items():
         targets = {resolve(n) for n in imported_names(name, path)}
         graph[name] = targets - {None, name}
+    graph["jaxdp"] |= {f"jaxdp.{module}" for module in lazy_exports(root).values()}
     return graph
+
+
+def lazy_exports(root: Path = ROOT) -> dict:
+    """``jaxdp``'s ``_EXPORTS`` ({public name: module under jaxdp}), read from the source."""
+    tree = ast.parse((root / "jaxdp" / "__init__.py").read_text())
+    return next(ast.literal_eval(node.value) for node in tree.body
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets))
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a jaxdp module's folder (``jaxdp.strategies.zero`` -> strategies')."""
+    parts = module.split(".")
+    folder = parts[1] if len(parts) > 1 else "jaxdp"
+    return next(i for i, layer in enumerate(LAYERS) if folder in layer)
+
+
+def folder_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def imports_against_the_layers(graph: dict) -> list:
+    """Every import within jaxdp that goes up a layer or across to another folder of its layer."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() if a.split(".")[0] == "jaxdp"
+                  for b in targets if b.split(".")[0] == "jaxdp" and folder_of(a) != folder_of(b)
+                  and layer_of(b) >= layer_of(a))
 
 
 def reachable(graph: dict, start: str) -> set:
@@ -87,11 +129,16 @@ def test_the_graph_reads_function_level_and_relative_imports():
 
 
 def test_the_jaxdp_root_holds_packages_and_three_one_idea_modules():
-    """Folders by concern (docs/architecture.md): a new module goes into the package of its concern."""
+    """Folders by concern (docs/architecture.md): a new module goes into the package of its concern,
+    and every folder has its place in the layers."""
     root = sorted(p.stem for p in (ROOT / "jaxdp").glob("*.py"))
     assert root == ["__init__", "interop", "optim", "registry"]
     packages = sorted(p.parent.name for p in (ROOT / "jaxdp").glob("*/__init__.py"))
-    assert packages == ["analysis", "api", "cli", "config", "data", "models", "parallel", "run", "runtime", "strategies"]
+    assert packages == ["analysis", "api", "checkpoint", "cli", "config", "data", "loss", "models", "parallel", "run",
+                        "runtime", "strategies"]
+    placed = [folder for layer in LAYERS for folder in layer]
+    members = [*packages, *(name for name in root if name != "__init__"), "jaxdp"]
+    assert sorted(placed) == sorted(members), "place each folder and root module in LAYERS, once"
 
 
 def test_no_import_cycles():
@@ -99,6 +146,25 @@ def test_no_import_cycles():
         graphlib.TopologicalSorter(import_graph()).prepare()
     except graphlib.CycleError as e:
         pytest.fail("import cycle: " + " -> ".join(e.args[1]))
+
+
+def test_imports_only_look_down_the_layers():
+    """The Trainer sits above the strategies and the loss contract below them; the checkpoint
+    service below the Trainer and jaxdp train; the CLI on top (LAYERS)."""
+    graph = import_graph()
+    assert {"jaxdp.api.trainer", "jaxdp.loss.reductions"} <= graph["jaxdp"]  # the lazy exports count
+    assert imports_against_the_layers(graph) == []
+
+
+def test_the_layer_check_finds_an_import_up_or_across():
+    """The check itself: imports as they stood before the layers (api's save path reaching run/,
+    plan's command reaching the CLI from analysis/, a strategy reaching the Trainer) are found, and
+    so is one between two folders of one layer."""
+    graph = import_graph()
+    wrong = {"jaxdp.api.trainer": {"jaxdp.run.rundir"}, "jaxdp.analysis.plan": {"jaxdp.cli.commands"},
+             "jaxdp.strategies.base": {"jaxdp.api.trainer"}, "jaxdp.analysis.measure": {"jaxdp.api.trainer"}}
+    found = imports_against_the_layers({**graph, **{a: graph[a] | b for a, b in wrong.items()}})
+    assert found == sorted(f"{a} -> {b}" for a, targets in wrong.items() for b in targets)
 
 
 def test_the_jax_side_imports_nothing_of_the_torch_side():
@@ -136,10 +202,13 @@ def test_a_plain_install_brings_only_the_jax_side():
     assert "jaxdp[torch]" in extras["parity"] and "jaxdp[torch]" in extras["dev"]
     commands = project["entry-points"]["jaxdp.commands"]
     assert commands == {"parity": "parity_tests.command:PARITY", "bench": "torch_commands.bench.command:BENCH",
-                        "export": "torch_commands.export:EXPORT", "plan": "jaxdp.analysis.plan_command:PLAN"}
+                        "export": "torch_commands.export:EXPORT"}
+    from jaxdp.cli.command import BUILT_IN
     from jaxdp.cli.commands import registered
 
-    assert set(registered()) == set(commands), "stale install metadata: run pip install -e '.[dev]' (make install)"
+    assert not set(BUILT_IN) & set(commands)  # jaxdp's own commands are listed in the CLI, not by entry point
+    assert set(registered(skip=BUILT_IN)) == set(commands), \
+        "stale install metadata: run pip install -e '.[dev]' (make install)"
 
 
 # Run with torch unimportable (as after `pip install jaxdp`): the training path works, pulls in
@@ -192,3 +261,34 @@ def test_training_without_torch_and_the_torch_commands_say_what_to_install():
     hints = [line for line in done.stderr.splitlines() if line.startswith("jaxdp: error: ")]
     hint = "jaxdp: error: jaxdp {} needs the [torch] extra (not installed: torch): pip install 'jaxdp[torch]'"
     assert hints == [hint.format("parity"), hint.format("bench"), hint.format("export")]
+
+
+_PUBLIC_NAMES = textwrap.dedent("""
+    import sys
+    import jaxdp
+
+    listed = dir(jaxdp)
+    print("jax imported", "jax" in sys.modules)  # dir() loads nothing: XLA's flags may still come
+    print("missing", [name for name in jaxdp.__all__ if name not in listed])
+    namespace = {}
+    exec("from jaxdp import *", namespace)
+    print("star", sorted(name for name in namespace if name != "__builtins__"))
+""")
+
+
+def test_the_public_names_are_listed_before_their_first_use():
+    """``jaxdp`` loads its names lazily (XLA's flags come first), yet ``dir(jaxdp)``, and so tab
+    completion, lists them all (``__all__``, ``__dir__``) without loading any; ``from jaxdp import *``
+    gives exactly them, each the object its module defines."""
+    import jaxdp
+
+    assert {"Trainer", "ZeRO", "global_mean", "clip_by_global_norm", "classifier", "make_mesh"} <= set(jaxdp.__all__)
+    assert sorted(jaxdp.__all__) == sorted(lazy_exports())
+    done = subprocess.run([sys.executable, "-c", _PUBLIC_NAMES], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["jax imported False", "missing []", f"star {sorted(jaxdp.__all__)}"]
+    import importlib
+
+    for name, module in lazy_exports().items():
+        assert getattr(jaxdp, name) is getattr(importlib.import_module(f"jaxdp.{module}"), name)

@@ -18,7 +18,7 @@ from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.parallel.tensor import Column, TensorParallel
 from jaxdp.strategies import StrategyError, create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 DEPTH = 2
 SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=DEPTH, heads=4, mlp_dim=32)
@@ -199,7 +199,7 @@ import jax, numpy as np, optax
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models.vit import EncoderBlock, ViT
 from jaxdp.strategies import create_strategy
-from jaxdp.api.task import classifier
+from jaxdp.loss.task import classifier
 
 name, steps = sys.argv[1], int(sys.argv[2])
 model = ViT(num_classes=10, image_size=16, patch=8, dim=16, depth=2, heads=4, mlp_dim=32)

@@ -16,8 +16,11 @@ import pytest
 
 import jaxdp
 import jaxdp.run.train as train_module
+from jaxdp.checkpoint import Checkpointer
 from jaxdp.cli.command import main
 from jaxdp.config.tree import TrainConfig
+from jaxdp.run.resume import data_position
+from jaxdp.run.setup import build, example_batch
 from jaxdp.run.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,6 +171,87 @@ def test_resume_refuses_a_different_config(tmp_path, capsys):
                  "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "width: checkpoint 4 vs now 8" in err
+
+
+# ----------------------------------------------------------------------------- one checkpoint format
+
+def assert_same_state(got, want):
+    for name in ("step", "params", "model_state", "opt_state"):
+        for a, b in zip(jax.tree_util.tree_leaves(getattr(got, name)), jax.tree_util.tree_leaves(getattr(want, name)),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_train_checkpoint_restores_with_trainer_restore(uninterrupted):
+    """``jaxdp train`` checkpoints through ``Trainer.save``: a Trainer (here ZeRO-3, the run was
+    DDP) restores the run's last checkpoint bit for bit, with the run's rng stream, key(--seed)."""
+    whole, expected = uninterrupted
+    trainer = build(dataclasses.replace(whole, strategy="zero3")).trainer
+    state = trainer.restore(os.path.join(whole.out, "checkpoints"), example_batch(trainer.strategy.model))
+    assert_same_state(jax.device_get(trainer.canonical(state)), jax.device_get(expected["state"]))
+    np.testing.assert_array_equal(jax.random.key_data(trainer.strategy.rng_root),
+                                  jax.random.key_data(jax.random.key(whole.seed)))
+
+
+@pytest.fixture(scope="module")
+def five_steps(tmp_path_factory, uninterrupted):
+    """TINY stopped after 5 steps: (the setup it trained with, its state)."""
+    built, original = [], train_module.build
+    train_module.build = lambda cfg: built.append(original(cfg)) or built[-1]
+    try:
+        first = train(dataclasses.replace(uninterrupted[0], out=str(tmp_path_factory.mktemp("five"))),
+                      stop_after_steps=5)
+    finally:
+        train_module.build = original
+    return built[0], first["state"]
+
+
+# jaxdp 0.2's `jaxdp train` checkpoint record: the run's position at the top, the seed as its rng.
+def old_train_meta(cfg, setup):
+    return {"epoch": 0, "step_in_epoch": 5, "global_step": 5, "fingerprint": cfg.fingerprint(),
+            "data": data_position(cfg, setup, 0, 5),
+            "rng": {"init_seed": cfg.seed, "augment": "stateless: keyed by (seed, epoch, sample id)"}}
+
+
+@pytest.mark.parametrize("writer", ["Trainer.save", "jaxdp 0.2 train"])
+def test_a_checkpoint_resumes_with_jaxdp_train_resume(writer, tmp_path, uninterrupted, five_steps, capsys):
+    """A checkpoint of step 5 written by the Trainer that trained it (``Trainer.save``: no run
+    record), or in the layout jaxdp 0.2's ``jaxdp train`` wrote: ``jaxdp train --resume`` continues
+    it as the uninterrupted run, bit for bit (losses, evaluations, final state)."""
+    whole, expected = uninterrupted
+    setup, state = five_steps
+    checkpoints = str(tmp_path / "checkpoints")
+    if writer == "Trainer.save":
+        assert setup.trainer.save(checkpoints, state) == 5
+    else:
+        ckpt = Checkpointer(checkpoints)
+        ckpt.save(5, setup.strategy.stored(state), old_train_meta(whole, setup))
+        ckpt.close()
+    capsys.readouterr()
+    assert main(["train", *TINY_ARGS, "--resume", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "jaxdp: resuming from step 5 (epoch 1, sample 160 of 256)" in err
+    assert ("has no run record (Trainer.save wrote it)" in err) == (writer == "Trainer.save")
+    assert [r["loss"] for r in read_records(tmp_path)] == [r["loss"] for r in read_records(whole.out)][5:]
+    assert read_records(tmp_path, "eval") == read_records(whole.out, "eval")
+    final = setup.trainer.restore(checkpoints, example_batch(setup.strategy.model))  # step 16's
+    assert_same_state(jax.device_get(final), jax.device_get(expected["state"]))
+
+
+def test_an_old_train_checkpoint_restores_with_trainer_restore(tmp_path, uninterrupted, five_steps):
+    """jaxdp 0.2's ``jaxdp train`` layout read by ``Trainer.restore``: the state, and the rng
+    stream its --seed gave."""
+    whole, _ = uninterrupted
+    setup, state = five_steps
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(5, setup.strategy.stored(state), old_train_meta(whole, setup))
+    ckpt.close()
+    trainer = build(whole).trainer
+    restored, meta = trainer.restore(str(tmp_path), example_batch(trainer.strategy.model), with_meta=True)
+    assert_same_state(jax.device_get(restored), jax.device_get(state))
+    assert meta["global_step"] == 5 and meta["record"]["step_in_epoch"] == 5
+    np.testing.assert_array_equal(jax.random.key_data(trainer.strategy.rng_root),
+                                  jax.random.key_data(jax.random.key(whole.seed)))
 
 
 def test_a_run_logged_to_a_file_has_a_header_plain_progress_and_honest_images_per_second(tmp_path, capsys):

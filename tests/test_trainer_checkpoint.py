@@ -1,5 +1,6 @@
 """``Trainer.save`` / ``Trainer.restore``: a ZeRO-3 state saved on 4 devices comes back bit for
-bit under DDP on 2 and ZeRO-1 on 3 (padded chunks), with the rng stream of ``init``'s key."""
+bit under DDP on 2 and ZeRO-1 on 3 (padded chunks), with the rng stream of ``init``'s key; the
+caller's record, and the older layouts. (``jaxdp train``'s checkpoints both ways: test_train.py.)"""
 
 import flax.linen as nn
 import jax
@@ -9,6 +10,7 @@ import optax
 import pytest
 
 import jaxdp
+from jaxdp.checkpoint import CheckpointError, Checkpointer
 
 pytestmark = pytest.mark.float64
 
@@ -66,3 +68,44 @@ def test_save_under_zero3_restore_under_ddp_and_zero1_bit_exact(tmp_path):
         restored, _ = restorer.step(restored, batch(3))  # and trains on as the saved run does
         jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15),
                                jax.device_get(restorer.canonical(restored).params), want_after)
+
+
+def test_the_record_comes_back_and_check_refuses_before_reading(tmp_path):
+    """``save(record=...)`` keeps the caller's JSON beside the state (``jaxdp train`` keeps its run
+    position there); ``check`` sees the checkpoint's meta first and may refuse it."""
+    saver = trainer(jaxdp.DDP(), 2)
+    state = saver.init(jax.random.key(5), batch(0))
+    saver.save(str(tmp_path), state, record={"epoch": 3, "note": "mine"})
+    restored, meta = trainer(jaxdp.DDP(), 2).restore(str(tmp_path), batch(0), with_meta=True)
+    assert meta == {"format": 2, "global_step": 0, "record": {"epoch": 3, "note": "mine"},
+                    "rng": {"impl": str(jax.random.key_impl(jax.random.key(5))),
+                            "data": np.asarray(jax.random.key_data(jax.random.key(5))).tolist()}}
+
+    def refuse(m):
+        raise ValueError(f"not this one: epoch {m['record']['epoch']}")
+
+    with pytest.raises(ValueError, match="not this one: epoch 3"):
+        trainer(jaxdp.DDP(), 2).restore(str(tmp_path), batch(0), check=refuse)
+
+
+def test_the_old_trainer_save_layout_restores_and_a_newer_format_is_one_line(tmp_path):
+    """jaxdp 0.2's ``Trainer.save`` record (``"trainer_rng"``) restores with its rng stream; a record
+    from a newer jaxdp is refused, saying so."""
+    saver = trainer(jaxdp.DDP(), 2)
+    state = saver.init(jax.random.key(5), batch(0))
+    key = {"impl": str(jax.random.key_impl(jax.random.key(7))),
+           "data": np.asarray(jax.random.key_data(jax.random.key(7))).tolist()}
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(0, saver.strategy.stored(state), {"global_step": 0, "trainer_rng": key})
+    ckpt.save(1, saver.strategy.stored(state), {"format": 3, "global_step": 1})
+    ckpt.close()
+    restorer = trainer(jaxdp.DDP(), 2)
+    restored, meta = restorer.restore(str(tmp_path), batch(0), step=0, with_meta=True)
+    assert meta == {"format": 2, "global_step": 0, "rng": key, "record": None}
+    np.testing.assert_array_equal(jax.random.key_data(restorer.strategy.rng_root),
+                                  jax.random.key_data(jax.random.key(7)))
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(restored)), jax.tree_util.tree_leaves(jax.device_get(state))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(CheckpointError, match=r"^this checkpoint's record has format 3, written by a newer jaxdp "
+                                              r"\(this one reads formats 1-2\): upgrade jaxdp to restore it$"):
+        restorer.restore(str(tmp_path), batch(0))

@@ -27,7 +27,7 @@ from helpers import TinyConvNet, as_batch, collectives_in_loops, init, max_rel_e
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxdp.strategies  # noqa: E402
-from jaxdp.run.checkpoint import Checkpointer  # noqa: E402
+from jaxdp.checkpoint import Checkpointer  # noqa: E402
 from jaxdp.config.tree import TrainConfig  # noqa: E402
 from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models import create_model, fsdp_units  # noqa: E402
@@ -38,7 +38,7 @@ from jaxdp.strategies import StrategyError, create_strategy, layout  # noqa: E40
 from jaxdp.strategies.sync.buckets import leaf_path  # noqa: E402
 from jaxdp.strategies.units import UnitError, Units, fsdp_unit, gather_on_use, in_unit, unit_paths  # noqa: E402
 from jaxdp.strategies.zero import ZeRO  # noqa: E402
-from jaxdp.api.task import classifier  # noqa: E402
+from jaxdp.loss.task import classifier  # noqa: E402
 
 TOL = 1e-12
 STEPS = 5

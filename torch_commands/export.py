@@ -1,7 +1,7 @@
 """``jaxdp export --torch RUN_DIR out.pt``: a jaxdp run's newest checkpoint as a torch ``state_dict``.
 
 The checkpoint's stored layout is the canonical one whatever strategy and device count
-wrote it (``jaxdp.run.checkpoint``), so the export reads only the params and the model state
+wrote it (``jaxdp.checkpoint``), so the export reads only the params and the model state
 (BatchNorm running stats), as numpy on the host, and converts them with ``jaxdp.interop``
 into torch_ref's names and layouts. ``torch_ref.models.create_model`` with the run's options
 loads the file with ``load_state_dict`` (strict). The optimizer state is not exported.
@@ -31,7 +31,7 @@ def exported_state_dict(run_dir: str, step=None):
     import orbax.checkpoint as ocp
 
     from jaxdp.config import files as config_file
-    from jaxdp.run.checkpoint import CheckpointError, Checkpointer
+    from jaxdp.checkpoint import CheckpointError, Checkpointer
     from jaxdp.config.tree import TrainConfig
     from jaxdp.interop import state_dict_from_variables
     from jaxdp.models import create_model
@@ -61,7 +61,7 @@ def exported_state_dict(run_dir: str, step=None):
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from jaxdp.run.checkpoint import CheckpointError
+    from jaxdp.checkpoint import CheckpointError
     from jaxdp.config.tree import TrainError
 
     try:

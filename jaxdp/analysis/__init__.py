@@ -10,8 +10,8 @@ most of it compiling the step; ``--no-compile`` skips that part):
    traffic formula (``hlo`` parses, ``state`` holds the formulas).
 
 ``inspect_strategy(...)`` (or ``measure`` for a strategy you built) returns all of it as
-a dict (``--json`` prints that); ``report.format_report`` makes it the table;
-``command`` is the ``jaxdp inspect`` subcommand.
+a dict (``--json`` prints that); ``report.format_report`` makes it the table; the
+``jaxdp inspect`` and ``jaxdp plan`` subcommands are ``jaxdp.cli.inspect_command`` and ``plan_command``.
 
 Nothing here imports jax at module level (``--devices`` must reach XLA first).
 """

@@ -69,7 +69,7 @@ def build_strategy(name: str, mesh, net, optimizer: str, options: Optional[dict]
     momentum 0.9; others lr 1e-3) and the model's FSDP units: what ``inspect`` and ``plan`` measure."""
     from jaxdp.optim import make_optimizer
     from jaxdp.strategies import create_strategy
-    from jaxdp.api.task import classifier
+    from jaxdp.loss.task import classifier
 
     lr = 0.1 if optimizer == "sgd" else 1e-3
     tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)

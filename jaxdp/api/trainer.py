@@ -7,9 +7,9 @@
     trainer.save(path, state); state = trainer.restore(path, example_batch)  # any strategy, mesh, N
 
 ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
-``jaxdp.api.task``), or ``jaxdp.classifier(model)`` for an image classifier. A loss whose first
+``jaxdp.loss.task``), or ``jaxdp.classifier(model)`` for an image classifier. A loss whose first
 parameter is ``model``, ``loss_fn(model, params, ...)``, receives the model jaxdp prepared
-(split over a ``model`` axis, cut into stages: ``jaxdp.api.model_task``, ``jaxdp.parallel.protocol``). Batches are any
+(split over a ``model`` axis, cut into stages: ``jaxdp.loss.model_task``, ``jaxdp.parallel.protocol``). Batches are any
 pytree of host arrays with a shared leading batch dimension: the global batch, or in a
 multi-process job this process's rows of it. A strategy is named with the factories below
 (``DDP()``, ``ZeRO(stage=3)``, ...) or by its registry name (``"zero3"``).
@@ -21,7 +21,9 @@ from typing import Any, Callable, Optional
 import jax
 from jax.sharding import NamedSharding
 
-from jaxdp.api import model_task, saving, task as tasks, validate
+from jaxdp.api import validate
+from jaxdp.checkpoint import saving
+from jaxdp.loss import model_task, task as tasks
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.strategies import create_strategy
 
@@ -89,16 +91,23 @@ class Trainer:
             raise ValueError("this Trainer has no eval_fn: pass eval_fn=... to evaluate")
         return self.strategy.evaluate(state, self._placed(batch))
 
-    def save(self, path: str, state) -> int:
+    def save(self, path: str, state, *, record: Optional[dict] = None, keep: int = saving.DEFAULT_KEEP) -> int:
         """Write ``state`` to the checkpoint directory ``path`` (orbax, the layout ``jaxdp train``
-        writes), as step ``state.step``; each device writes its own part. Returns the step."""
-        return saving.save(self.strategy, path, state)
+        writes), as step ``state.step``; each device writes its own part. ``record``: a JSON dict
+        kept beside it (``restore(..., with_meta=True)`` gives it back); the newest ``keep``
+        checkpoints stay. Returns the step."""
+        return saving.save(self.strategy, path, state, record, keep)
 
-    def restore(self, path: str, example_batch, step: Optional[int] = None):
-        """The newest checkpoint in ``path`` (or ``step``), saved under any strategy, mesh or
-        device count, as this Trainer's state; restores ``init``'s rng stream too."""
+    def restore(self, path: str, example_batch, step: Optional[int] = None, *,
+                check: Optional[Callable[[dict], None]] = None, with_meta: bool = False):
+        """The newest usable checkpoint in ``path`` (or ``step``), saved under any strategy, mesh or
+        device count, by ``save`` or ``jaxdp train``, as this Trainer's state; restores ``init``'s rng
+        stream too. ``check(meta)`` may refuse it before any array is read; ``with_meta``: returns
+        ``(state, meta)``, meta as ``jaxdp.checkpoint.saving`` lays it out (``meta["record"]``: what
+        ``save`` was given)."""
         self._check(example_batch)
-        return saving.restore(self.strategy, path, example_batch, step)
+        state, meta = saving.restore(self.strategy, path, example_batch, step, check)
+        return (state, meta) if with_meta else state
 
     def canonical(self, state):
         """The full params and optimizer state (DDP's layout), e.g. to export or compare."""

@@ -10,6 +10,8 @@ batch axes) cannot be traced outside it: its check is left to the step.
 import jax
 import numpy as np
 
+from jaxdp.strategies.layout import shapes_of
+
 CONTRACT = "loss_fn must return (loss, (model_state, metrics))"
 
 
@@ -50,10 +52,7 @@ def loss_fn(strategy, example_batch, default_inputs: bool) -> None:
     ``default_inputs``: the Trainer got no ``model_inputs``, so ``model.init`` receives the whole
     batch; if that fails on a batch that is not one array, the fix is ``model_inputs``.
     """
-    from jaxdp.run.checkpoint import _first_line
-    from jaxdp.strategies.base import _abstract
-
-    abstract = _abstract(example_batch)
+    abstract = shapes_of(example_batch)
     try:
         variables = jax.eval_shape(strategy.init_fn, jax.random.key(0), abstract)
     except Exception as e:  # the user's model: name the likely fix, else let its error through
@@ -97,6 +96,13 @@ def check_output(out) -> None:
 def _micro_rows(rows: int, strategy) -> int:
     """One device's micro-batch rows for a global batch of ``rows`` (at least 1)."""
     return max(1, rows // (strategy.num_devices * strategy.accum_steps))
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """The gist of the model's error: its first line, capped."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _is_array(x) -> bool:

@@ -1,7 +1,9 @@
-"""The ``jaxdp`` command: train, launch, inspect; parity and bench with the [torch] extra.
+"""The ``jaxdp`` command: train, launch, inspect, plan; parity, bench and export with the [torch] extra.
 
-parity and bench are registered by entry point (``jaxdp.commands``) and loaded only when
-they, or the full help, are asked for: ``jaxdp train`` never imports the torch side.
+Every subcommand is a ``Command`` (``jaxdp.cli.commands``): jaxdp's own are ``BUILT_IN`` below
+(inspect's and plan's in inspect_command.py and plan_command.py); the torch side's are
+registered by entry point (``jaxdp.commands``) and loaded only when they, or the full help, are
+asked for: ``jaxdp train`` never imports the torch side.
 
 The parser is built from jax-free modules (the configuration tree, ``jaxdp.config.tree``), so
 that ``main`` can set ``--devices N`` as XLA's simulated-device flag (``jaxdp.runtime.startup``)
@@ -17,8 +19,9 @@ from typing import List, Optional
 from jaxdp import __version__
 from jaxdp.config import files as config_file
 from jaxdp.runtime import startup
-from jaxdp.analysis.command import add_inspect_args, run as run_inspect
-from jaxdp.cli.commands import CommandError, registered
+from jaxdp.cli.commands import Command, CommandError, registered
+from jaxdp.cli.inspect_command import INSPECT
+from jaxdp.cli.plan_command import PLAN
 from jaxdp.config.tree import SECTIONS, SHARED, TrainConfig, TrainError, check_config
 from jaxdp.runtime.distributed import distributed_env
 from jaxdp.config.flags import PARSER_OPTIONS, add_arguments
@@ -89,13 +92,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs")
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    return run_inspect(args)
-
-
 def _user_errors():
     """Exceptions that mean 'the user asked for something impossible': one line, no traceback."""
-    from jaxdp.run.checkpoint import CheckpointError
+    from jaxdp.checkpoint import CheckpointError
     from jaxdp.data import DatasetError
     from jaxdp.models import ModelError
     from jaxdp.optim import ConfigError
@@ -105,11 +104,15 @@ def _user_errors():
             TrainError)
 
 
-def _subcommand(sub, name: str, summary: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=summary, description=summary, **PARSER_OPTIONS)
+def add_train_command_args(p: argparse.ArgumentParser) -> None:
+    add_train_args(p)
+    add_job_args(p)
 
 
-BUILT_IN = ("train", "launch", "inspect")
+TRAIN = Command(summary="train a model with a data-parallel strategy", add_args=add_train_command_args, run=cmd_train)
+LAUNCH = Command(summary="start a multi-process job: jaxdp launch --nprocs 2 -- jaxdp train ...",
+                 add_args=add_launch_args, run=cmd_launch)
+BUILT_IN = {"train": TRAIN, "launch": LAUNCH, "inspect": INSPECT, "plan": PLAN}  # jaxdp's own commands
 
 
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
@@ -117,30 +120,15 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__.splitlines()[0], **PARSER_OPTIONS)
     parser.add_argument("--version", action="version", version=f"jaxdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = _subcommand(sub, "train", "train a model with a data-parallel strategy")
-    add_train_args(p)
-    add_job_args(p)
-    p.set_defaults(func=cmd_train)
-    p = _subcommand(sub, "launch", "start a multi-process job: jaxdp launch --nprocs 2 -- jaxdp train ...")
-    add_launch_args(p)
-    p.set_defaults(func=cmd_launch)
-    p = _subcommand(sub, "inspect", "per-device memory and collective traffic of a strategy vs the ZeRO formulas")
-    add_inspect_args(p)
-    p.set_defaults(func=cmd_inspect)
-    if command not in BUILT_IN:
-        _add_registered_commands(sub)
+    others = {} if command in BUILT_IN else registered(skip=BUILT_IN)  # the torch side's: parity, bench, export
+    for name, each in {**BUILT_IN, **others}.items():
+        p = sub.add_parser(name, help=each.summary, description=each.summary, **PARSER_OPTIONS)
+        each.add_args(p)  # jax- and torch-free: the parser works without the extra
+        p.set_defaults(func=functools.partial(_run_command, name, each))
     return parser
 
 
-def _add_registered_commands(sub) -> None:
-    """The subcommands other packages register (``jaxdp.commands``): parity and bench."""
-    for name, command in registered().items():
-        p = _subcommand(sub, name, command.summary)
-        command.add_args(p)  # jax- and torch-free: the parser works without the extra
-        p.set_defaults(func=functools.partial(_run_registered, name, command))
-
-
-def _run_registered(name: str, command, args: argparse.Namespace) -> int:
+def _run_command(name: str, command: Command, args: argparse.Namespace) -> int:
     if command.missing():
         raise CommandError(command.install_hint(name))
     return command.run(args)

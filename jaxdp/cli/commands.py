@@ -1,9 +1,10 @@
-"""Subcommands that other packages add to ``jaxdp``, found through entry points.
+"""A ``jaxdp`` subcommand is a ``Command``: jaxdp's own are listed in ``jaxdp.cli.command``
+(``BUILT_IN``: train, launch, inspect, plan); other packages add theirs through entry points.
 
-``jaxdp parity`` and ``jaxdp bench`` run PyTorch beside jaxdp, so they live with the torch
-side (``parity_tests``) and need the [torch] extra; jaxdp itself never imports them.
-``jaxdp plan`` (``jaxdp.analysis.plan_command``) is registered the same way, needing only jax. A
-package registers a ``Command`` under the entry-point group ``jaxdp.commands``::
+``jaxdp parity``, ``jaxdp bench`` and ``jaxdp export`` run PyTorch beside jaxdp, so they live
+with the torch side (``parity_tests``, ``torch_commands``) and need the [torch] extra; jaxdp
+itself never imports them. A package registers a ``Command`` under the entry-point group
+``jaxdp.commands``::
 
     [project.entry-points."jaxdp.commands"]
     parity = "parity_tests.command:PARITY"
@@ -16,7 +17,7 @@ still listed, and running it says in one line what to install.
 import importlib.util
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Callable, Dict, Tuple
+from typing import Callable, Collection, Dict, Tuple
 
 GROUP = "jaxdp.commands"
 
@@ -48,6 +49,8 @@ def _importable(module: str) -> bool:
         return False
 
 
-def registered() -> Dict[str, Command]:
-    """The installed packages' commands, by name."""
-    return {ep.name: ep.load() for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name)}
+def registered(skip: Collection[str] = ()) -> Dict[str, Command]:
+    """The installed packages' commands, by name; those named in ``skip`` (jaxdp's own) are not
+    loaded, so an entry point left by an older install cannot shadow or break them."""
+    found = sorted((ep for ep in entry_points(group=GROUP) if ep.name not in skip), key=lambda ep: ep.name)
+    return {ep.name: ep.load() for ep in found}

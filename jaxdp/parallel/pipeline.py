@@ -305,11 +305,11 @@ def for_mesh(model, mesh, microbatches=None, batch_axes=()):
 # ----------------------------------------------------------------------------- the task on stages
 
 class PipelinedClassifier:
-    """A classifier's loss and evaluation (``jaxdp.api.task.classifier``) run on pipeline stages, on
+    """A classifier's loss and evaluation (``jaxdp.loss.task.classifier``) run on pipeline stages, on
     the stacked params; the strategy trains it as it trains any task."""
 
     def __init__(self, pipeline: Pipeline, task):
-        from jaxdp.api.task import Classifier
+        from jaxdp.loss.task import Classifier
 
         if not isinstance(task, Classifier):
             raise PipelineError("pipeline stages run a classifier's loss (jaxdp.classifier(model)); a custom "
@@ -317,7 +317,7 @@ class PipelinedClassifier:
         self.pipeline, self.model_inputs, self.init_kwargs = pipeline, task.model_inputs, task.init_kwargs
 
     def loss_fn(self, params, model_state, batch, rng=None):
-        from jaxdp.api.task import loss_and_accuracy
+        from jaxdp.loss.task import loss_and_accuracy
 
         m, scale = self.pipeline.microbatches, self.loss_scale()
 
@@ -332,7 +332,7 @@ class PipelinedClassifier:
         return 1.0 / self.pipeline.microbatches
 
     def eval_fn(self, params, model_state, batch):
-        from jaxdp.api.task import eval_sums
+        from jaxdp.loss.task import eval_sums
 
         size = jax.tree_util.tree_leaves(batch)[0].shape[0]  # evaluation batches need not divide by M
         micro = self.pipeline.microbatched(batch, largest_divisor(size, self.pipeline.microbatches))

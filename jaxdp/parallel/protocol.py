@@ -17,7 +17,7 @@ Pipeline stages (``make_mesh(data=2, stage=2)``): ``pipeline_layers()`` returns 
 as an ordered list of ``jaxdp.parallel.pipeline.Layer(name, paths, apply)``, each layer
 owning whole params subtrees (``paths``) and mapping one activation to the next.
 
-The loss takes the model jaxdp prepared as its first argument (``jaxdp.api.model_task``).
+The loss takes the model jaxdp prepared as its first argument (``jaxdp.loss.model_task``).
 
 ``check_split`` turns a model that does not follow the protocol into one line, before the
 first step compiles: a layer left whole where the plan cuts it, or a row-parallel layer

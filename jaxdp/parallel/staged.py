@@ -8,9 +8,9 @@ every row, the same on every stage; the loss then runs once on them. The batch k
 the user's: ``x`` is whatever the loss passes to ``apply``.
 """
 
-from jaxdp.api.model_task import ModelTask
+from jaxdp.loss.model_task import ModelTask
 from jaxdp.parallel.pipeline import Pipeline, PipelineError, PipelinedClassifier, largest_divisor
-from jaxdp.api.task import Classifier
+from jaxdp.loss.task import Classifier
 
 NEEDS_MODEL = ("pipeline stages run a model jaxdp cuts into stages, which this loss_fn cannot receive: write it "
                "as loss_fn(model, params, model_state, batch, rng) and apply that model (docs/strategies.md)")

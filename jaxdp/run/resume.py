@@ -1,5 +1,10 @@
 """Where a run starts: a fresh state, or the newest usable checkpoint's state and the data
-position that goes with it.
+position that goes with it; and the record a checkpoint keeps of where the run stands.
+
+A run checkpoints and resumes through its ``Trainer`` (``Trainer.save``/``Trainer.restore``,
+the layout of ``jaxdp.checkpoint.saving``), with ``run_record`` as the checkpoint's record. A
+checkpoint without one (a user's ``Trainer.save``) resumes at its global step's place in the
+epochs, without the config check.
 
 Data position and elastic resume. An epoch is one ordered list: the epoch's
 permutation, padded by repeating its head to a multiple of the device count
@@ -17,16 +22,24 @@ has not reached). The global batch must stay the same (it is in the fingerprint)
 """
 
 import hashlib
+import os
 import sys
 import warnings
 
 import jax
 import numpy as np
 
-from jaxdp.run.checkpoint import CheckpointError
+from jaxdp.checkpoint import CheckpointError, NoCheckpoint
 from jaxdp.config.tree import TrainConfig, TrainError, end_position
 from jaxdp.data.sampler import epoch_permutation
 from jaxdp.run.rundir import NOTHING_TO_RESUME, check_fingerprint, resuming_message
+
+
+def run_record(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int) -> dict:
+    """What a checkpoint keeps of the run beside the state: its place in the epochs, the data
+    position and the fingerprint of the options that change the numbers."""
+    return {"epoch": epoch, "step_in_epoch": step_in_epoch, "fingerprint": cfg.fingerprint(),
+            "data": data_position(cfg, setup, epoch, step_in_epoch)}
 
 
 def data_position(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int) -> dict:
@@ -46,17 +59,20 @@ def permutation_digest(n: int, seed: int, epoch: int) -> str:
     return hashlib.sha256(perm.tobytes()).hexdigest()[:16]
 
 
-def start_state(cfg: TrainConfig, setup, ckpt, example, is_main: bool):
-    """(state, (epoch, steps of it done), global step) to train from."""
-    strategy = setup.strategy
+def start_state(cfg: TrainConfig, setup, checkpoints: str, example, is_main: bool):
+    """(state, (epoch, steps of it done), global step) to train from; ``checkpoints``: the directory."""
     if not cfg.resume:
         return setup.trainer.init(jax.random.key(cfg.seed), example), (0, 0), 0  # each device builds its shards
-    if ckpt.latest_step() is None:  # checkpoint folders, but none that orbax lists as complete
-        raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out))
+
+    def same_run(meta: dict) -> None:  # before any array is read
+        if meta["record"] is not None:
+            check_fingerprint(meta["record"]["fingerprint"], cfg.fingerprint(), os.path.abspath(checkpoints))
+
     # Into shapes and shardings only: a ZeRO-3 restore builds no full (or even fresh) state.
-    stored, meta, _ = ckpt.restore_latest(
-        strategy.stored_target(strategy.abstract_state(example)),
-        check_meta=lambda m: check_fingerprint(m["fingerprint"], cfg.fingerprint(), ckpt.directory))
+    try:
+        state, meta = setup.trainer.restore(checkpoints, example, check=same_run, with_meta=True)
+    except NoCheckpoint:  # checkpoint folders, but none that orbax lists as complete
+        raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out)) from None
     position, global_step = _resume_position(cfg, setup, meta, is_main)
     if position >= end_position(cfg, setup.steps_per_epoch):
         raise TrainError(f"the run in {cfg.out} already finished its {_length(cfg)} (step {global_step}): "
@@ -64,7 +80,7 @@ def start_state(cfg: TrainConfig, setup, ckpt, example, is_main: bool):
     if is_main:
         print("jaxdp: " + resuming_message(global_step, position, setup.steps_per_epoch, cfg.global_batch_size,
                                            len(setup.train_set)), file=sys.stderr, flush=True)
-    return strategy.from_stored(stored), position, global_step
+    return state, position, global_step
 
 
 def _length(cfg: TrainConfig) -> str:
@@ -74,9 +90,16 @@ def _length(cfg: TrainConfig) -> str:
 def _resume_position(cfg: TrainConfig, setup, meta: dict, is_main: bool):
     """((epoch, step in epoch), global step) to continue from, on this run's device count."""
     steps_per_epoch = setup.steps_per_epoch
-    epoch, step = meta["epoch"], meta["step_in_epoch"]
-    global_step = meta.get("global_step", epoch * steps_per_epoch + step)
-    saved = meta.get("data")
+    record, global_step = meta["record"], meta["global_step"]
+    if record is None:  # a Trainer.save checkpoint: its global step's place in this run's epochs
+        position = divmod(global_step, steps_per_epoch)
+        if is_main:
+            print(f"jaxdp: the checkpoint of step {global_step} has no run record (Trainer.save wrote it): its "
+                  f"options are not checked against this run's; it continues at epoch {position[0] + 1}, step "
+                  f"{position[1]} of {steps_per_epoch}", file=sys.stderr, flush=True)
+        return position, global_step
+    epoch, step = record["epoch"], record["step_in_epoch"]
+    saved = record.get("data")
     if saved is None:  # written before the data position was recorded
         return (epoch, min(step, steps_per_epoch)), global_step
     now = data_position(cfg, setup, epoch, step)

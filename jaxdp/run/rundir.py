@@ -23,6 +23,7 @@ NOTHING_TO_RESUME = ("--resume: {out} holds no checkpoint to resume from (check 
 EARLIER_RUN = ("{out} already holds checkpoints of an earlier run (latest step {step}): pass --resume to "
                "continue it, --overwrite to start over, or another --out")
 TENSORBOARD_DIR = "tensorboard"
+CHECKPOINTS_DIR = "checkpoints"
 
 
 # ----------------------------------------------------------------------------- records
@@ -154,7 +155,7 @@ def refuse_earlier_run(cfg: TrainConfig, latest_step: Optional[int]) -> bool:
 def remove_run_files(out: str) -> None:
     """Delete what a run writes in ``out`` (checkpoints/, tensorboard/, metrics, config,
     sample ids) and nothing else: ``out`` may hold the user's own files."""
-    for name in ("checkpoints", TENSORBOARD_DIR):
+    for name in (CHECKPOINTS_DIR, TENSORBOARD_DIR):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     for name in os.listdir(out):
         if name in ("metrics.jsonl", "config.json") or _sample_log_process(name) is not None:
@@ -182,10 +183,14 @@ def resuming_message(step: int, position, steps_per_epoch: int, global_batch: in
     return f"resuming from step {step} (epoch {epoch + 1}, sample {done * global_batch} of {num_samples})"
 
 
+def checkpoint_dir(out: str) -> str:
+    return os.path.join(out, CHECKPOINTS_DIR)
+
+
 def latest_orbax_step(out: str) -> Optional[int]:
     """The newest complete jaxdp (orbax) checkpoint's step in ``out``, from the folder names:
     orbax names a complete save by its step; one in progress has a temporary suffix."""
-    directory = os.path.join(out, "checkpoints")
+    directory = checkpoint_dir(out)
     if not os.path.isdir(directory):
         return None
     steps = [int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n))]

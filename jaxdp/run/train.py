@@ -1,8 +1,8 @@
 """The training loop: data -> strategy.step -> records, evaluation and checkpoints.
 
-It knows nothing about which strategy runs; it only asks the strategy to place the state
-and batches, step, evaluate, and convert to the checkpoint layout. What it builds first is
-in ``train_setup``, where it starts from (fresh or a checkpoint) in ``resume``, the run
+It knows nothing about which strategy runs; it drives a ``jaxdp.Trainer`` as a user would:
+init or restore, step, evaluate, save (``Trainer.save``, with the run's record). What it builds
+first is in ``setup``, where it starts from (fresh or a checkpoint) in ``resume``, the run
 directory's files in ``rundir``, signals in ``interrupts``, MFU, memory and profiling in
 ``perf``.
 
@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from jaxdp.run.checkpoint import Checkpointer
 from jaxdp.config.tree import TrainConfig, check_config, end_position
 from jaxdp.data.loader import eval_batches
 from jaxdp.runtime.distributed import barrier, distributed_env, preemption_sync_point
@@ -32,9 +31,9 @@ from jaxdp.run.interrupts import DeferredInterrupt
 from jaxdp.runtime.mesh import process_ranks
 from jaxdp.run.perf import ProfileWindow, StepCost, Utilisation, peak_flops
 from jaxdp.run.progress import Throughput, progress_bar, say
-from jaxdp.run.resume import data_position, start_state
-from jaxdp.run.rundir import (TENSORBOARD_DIR, MetricsLog, SampleLog, latest_orbax_step, refuse_earlier_run,
-                          remove_run_files, write_config)
+from jaxdp.run.resume import run_record, start_state
+from jaxdp.run.rundir import (TENSORBOARD_DIR, MetricsLog, SampleLog, checkpoint_dir, latest_orbax_step,
+                              refuse_earlier_run, remove_run_files, write_config)
 from jaxdp.run.setup import build, example_batch, startup_header
 
 
@@ -131,9 +130,9 @@ class _Run:
         if overwrite and self.is_main:  # --overwrite, and the new run is valid: only now delete the old one
             remove_run_files(cfg.out)
         os.makedirs(cfg.out, exist_ok=True)
-        self.ckpt = Checkpointer(os.path.join(cfg.out, "checkpoints"), max_to_keep=cfg.keep)
+        self.checkpoints = checkpoint_dir(cfg.out)  # written and read by the Trainer (Trainer.save/restore)
         self.state, self.position, self.global_step = start_state(
-            cfg, setup, self.ckpt, example_batch(self.strategy.model), self.is_main)
+            cfg, setup, self.checkpoints, example_batch(self.strategy.model), self.is_main)
         self.saved = (self.global_step, self.position)  # what the newest checkpoint holds
         barrier("init")  # the processes finish compiling the init at different times (see distributed.barrier)
         if self.is_main and cfg.progress:
@@ -162,10 +161,9 @@ class _Run:
         self.position = (epoch, steps_done)
 
     def save(self) -> None:
-        meta = {"epoch": self.position[0], "step_in_epoch": self.position[1], "global_step": self.global_step,
-                "fingerprint": self.cfg.fingerprint(), "data": data_position(self.cfg, self.setup, *self.position),
-                "rng": {"init_seed": self.cfg.seed, "augment": "stateless: keyed by (seed, epoch, sample id)"}}
-        self.ckpt.save(self.global_step, self.strategy.stored(self.state), meta)
+        """Checkpoint the state in hand, as a user's ``Trainer.save`` does, with where the run stands."""
+        self.trainer.save(self.checkpoints, self.state, record=run_record(self.cfg, self.setup, *self.position),
+                          keep=self.cfg.keep)
         self.saved = (self.global_step, self.position)
 
     def evaluate(self, epoch: int) -> None:
@@ -209,7 +207,6 @@ class _Run:
         self.profile.close()
         self.log.close()
         self.sample_log.close()
-        self.ckpt.close()
 
 
 def evaluate(trainer, state, test_set, per_device: int, ranks=None) -> dict:

@@ -35,8 +35,6 @@ from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.placement import Placement
 from jaxdp.strategies.step_reductions import StepReductions
 
-_abstract, _zeros = layout.shapes_of, layout.zeros  # the names jaxdp.api.validate imports
-
 
 class Strategy(StepReductions):
     """Base class. Subclasses set their ``facts`` (``factsheet.py``) and write the hooks (``hooks.py``)."""

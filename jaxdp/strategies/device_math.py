@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.api import reductions, task as tasks
+from jaxdp.loss import reductions, task as tasks
 from jaxdp.strategies.errors import StrategyError
 
 

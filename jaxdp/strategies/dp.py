@@ -54,7 +54,7 @@ from jaxdp.strategies.device_math import local_grads, train_metrics
 from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.pmap_engine import PmapEngine
-from jaxdp.api.task import batch_size
+from jaxdp.loss.task import batch_size
 
 
 def gather_to_first(x, axis, n: int):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp.api import reductions
+from jaxdp.loss import reductions
 from jaxdp.runtime.mesh import shard_batch
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import conversions, layout
@@ -193,7 +193,7 @@ class ShardMapEngine:
 
 
 def in_step_context(strategy, local):
-    """``local`` traced under ``strategy.step_context()`` (``jaxdp.api.reductions``); it keeps ``local``'s
+    """``local`` traced under ``strategy.step_context()`` (``jaxdp.loss.reductions``); it keeps ``local``'s
     name, which names the compiled step (profiles, HLO, compile logs)."""
     @functools.wraps(local)
     def traced(*args):

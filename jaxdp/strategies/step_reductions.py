@@ -8,7 +8,7 @@ chunks over data, slices over a model or stage axis), which only the strategy kn
 import jax
 import jax.numpy as jnp
 
-from jaxdp.api import reductions
+from jaxdp.loss import reductions
 from jaxdp.strategies import conversions
 from jaxdp.strategies.device_math import sum_of_squares
 from jaxdp.strategies.errors import StrategyError

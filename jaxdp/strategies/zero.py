@@ -35,7 +35,7 @@ one reduction per K micro-batches would need the full local gradient to accumula
 into, exactly the 4Ψ per device ZeRO-3 exists to remove. The sum is linear, so the
 result is DDP's. Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s): a
 transform that reduces over whole tensors would see only a chunk, so it is refused at init
-(``jaxdp.api.reductions.check_shardable``); ``jaxdp.clip_by_global_norm`` is the sharded clip.
+(``jaxdp.loss.reductions.check_shardable``); ``jaxdp.clip_by_global_norm`` is the sharded clip.
 """
 
 import dataclasses

@@ -79,7 +79,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
     from jaxdp.strategies import create_strategy
-    from jaxdp.api.task import classifier
+    from jaxdp.loss.task import classifier
 
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"], **cfg.get("vit", {}))
     tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)

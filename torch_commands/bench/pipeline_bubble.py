@@ -26,7 +26,7 @@ import optax  # noqa: E402
 from jaxdp.runtime.mesh import make_mesh  # noqa: E402
 from jaxdp.models.vit import ViT  # noqa: E402
 from jaxdp.strategies import create_strategy  # noqa: E402
-from jaxdp.api.task import classifier  # noqa: E402
+from jaxdp.loss.task import classifier  # noqa: E402
 from torch_commands.bench.layouts import measured_bubble  # noqa: E402
 
 MODEL = dict(num_classes=10, image_size=32, patch=4, dim=64, depth=6, heads=4, mlp_dim=128)

@@ -1,9 +1,9 @@
-"""The ``jaxdp plan`` subcommand: its options, the run, and the table it prints.
+"""The ``jaxdp plan`` subcommand (``PLAN``): its options, the run of ``jaxdp.analysis.plan``,
+and the table it prints.
 
     jaxdp plan --model resnet18 --devices 64 --device-memory 80GiB --global-batch-size 8192
 
-Registered by entry point (``jaxdp.commands``); jax-free at import: the parser is built
-before ``--devices`` sets XLA's simulated device count.
+Jax-free at import: the parser is built before ``--devices`` sets XLA's simulated device count.
 """
 
 import json
@@ -27,8 +27,8 @@ def memory_size(text: str) -> float:
 
 
 def add_plan_args(p) -> None:
-    from jaxdp.analysis.command import add_model_args
     from jaxdp.analysis.plan import candidates
+    from jaxdp.cli.inspect_command import add_model_args
 
     p.add_argument("--devices", type=int, default=8, help="devices N (compiled for N simulated CPU devices)")
     p.add_argument("--device-memory", type=memory_size, default=80 * 2**30, help="memory per device, e.g. 80GiB")

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from flax import errors as flax_errors
 
-from jaxdp.api.task import as_task as plain_task
+from jaxdp.loss.task import as_task as plain_task
 
 
 class OuterModelError(ValueError):
@@ -68,7 +68,7 @@ class ModelTask:
 
 
 def as_task(model, loss_fn: Callable, eval_fn=None, model_inputs=None, init_kwargs=None):
-    """A ``ModelTask`` for a loss that takes the model, else the plain task (``jaxdp.api.task.as_task``)."""
+    """A ``ModelTask`` for a loss that takes the model, else the plain task (``jaxdp.loss.task.as_task``)."""
     if not takes_model(loss_fn):
         return plain_task(loss_fn, eval_fn, model_inputs, init_kwargs)
     return ModelTask(model, loss_fn, eval_fn, model_inputs or (lambda batch: (batch,)), dict(init_kwargs or {}))

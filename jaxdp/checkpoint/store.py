@@ -1,11 +1,10 @@
-"""Checkpoints: orbax, atomic, verified, sharded, in a strategy-independent layout.
+"""A directory of checkpoints: orbax, atomic, verified, sharded, in a strategy-independent layout.
 
 A checkpoint holds the TrainState in the layout every strategy converts to and
 from (``Strategy.stored``: params and per-parameter optimizer state in their
-canonical shapes, sharded over the data axis along a dimension it divides) plus a JSON record of
-where training stands (epoch, step in epoch, the data position, config
-fingerprint). Each device's chunks are written by the process that owns them,
-and nothing is gathered to save. A run saved under one strategy or device count
+canonical shapes, sharded over the data axis along a dimension it divides) plus a JSON record
+(its layout: ``jaxdp.checkpoint.saving``). Each device's chunks are written by the process that
+owns them, and nothing is gathered to save. A run saved under one strategy or device count
 resumes under another: the stored arrays have canonical shapes, orbax reads
 them into the new count's shardings, and the strategy converts with
 ``from_stored``. Any change of shape is refused, naming the array.
@@ -47,6 +46,10 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not match the run."""
+
+
+class NoCheckpoint(CheckpointError):
+    """The directory holds no complete checkpoint."""
 
 
 class CheckpointCorrupt(CheckpointError):
@@ -161,7 +164,7 @@ class Checkpointer:
     def _step_or_latest(self, global_step: Optional[int]) -> int:
         step = self.latest_step() if global_step is None else global_step
         if step is None:
-            raise CheckpointError(f"no checkpoint to resume from in {self.directory}")
+            raise NoCheckpoint(f"no checkpoint to resume from in {self.directory}")
         return step
 
     # -- restoring -----------------------------------------------------------------------------
@@ -213,7 +216,7 @@ class Checkpointer:
         """
         steps = self.all_steps()
         if not steps:
-            raise CheckpointError(f"no checkpoint to resume from in {self.directory}")
+            raise NoCheckpoint(f"no checkpoint to resume from in {self.directory}")
         problems = []
         for step in reversed(steps):
             try:

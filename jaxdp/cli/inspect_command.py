@@ -1,4 +1,5 @@
-"""The ``jaxdp inspect`` subcommand: its options, and the run that prints the report.
+"""The ``jaxdp inspect`` subcommand (``INSPECT``): its options, and the run that prints the report
+of ``jaxdp.analysis``.
 
 Jax-free at import: the parser is built before ``--devices`` sets XLA's device count.
 """
@@ -10,6 +11,7 @@ import types
 
 from jaxdp.analysis.measure import InspectError, inspect_strategy
 from jaxdp.analysis.report import format_report
+from jaxdp.cli.commands import Command
 from jaxdp.config.flags import VIT_SIZES, add_arguments, add_mesh_flag, add_vit_flags, comma_ints
 from jaxdp.config.step import StrategyOptions
 
@@ -93,3 +95,7 @@ def print_schedule(report: dict) -> None:
         return
     print(f"\nschedule of the compiled step (entry computation, in execution order; {report['backend']}):")
     print(format_schedule([Op(**op) for op in report["schedule"]], report["backend"]))
+
+
+INSPECT = Command(summary="per-device memory and collective traffic of a strategy vs the ZeRO formulas",
+                  add_args=add_inspect_args, run=run)
