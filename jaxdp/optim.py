@@ -41,8 +41,7 @@ from typing import Any
 
 import optax
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
+from jaxdp.names import OPTIMIZERS, SCHEDULES  # the names (jaxdp.names); their optax chains are here
 
 
 class ConfigError(ValueError):

@@ -1,8 +1,13 @@
 """The strategy registry: every strategy as one row of data, importable without jax.
 
 A row says what a strategy name is to everyone who reads names: the CLI's choices (before
-jax loads), ``create_strategy``, ``jaxdp plan``, ``jaxdp bench``, the parity harness, gpu-check
-and torch_ref. Nothing outside this module lists the strategy names.
+jax loads), ``create_strategy``, ``jaxdp plan``, ``jaxdp bench``, the parity harness (its pairs,
+float64 cases and injected bugs), gpu-check and torch_ref. Nothing outside this module lists the
+strategy names, and nothing branches on one: what differs is an attribute of a row, of its
+engine class or of its torch twin. (The other names a user picks: ``jaxdp.names``.)
+
+A strategy with a torch twin is three files: its module (the engine class), its row here, and its
+twin in torch_ref (a ``torch_ref.strategies.Twin``, which ``torch_twin`` names).
 
 A row (``Row``):
 
@@ -13,8 +18,9 @@ A row (``Row``):
   with their defaults, are the engine constructor's other keywords (``jaxdp.strategies.options_of``):
   one of them, ``units``, says it gathers params per FSDP unit. Whether it runs beside a ``model``
   axis is its engine's ``model_parallel``, and its formulas are its engine's ``Facts``.
-- ``torch_twin``: torch_ref's name for its PyTorch twin (``torch_ref.strategies.TWINS``); a row with
-  one is paired by ``jaxdp parity``; None: no twin.
+- ``torch_twin``: its PyTorch twin: a name of ``torch_ref.strategies.TWINS`` (the built-in ones), or
+  ``"module:attr"``, a ``Twin`` in a module of its own (``torch_ref.strategies.twin`` resolves it,
+  in every torch rank too); a row with one is paired by ``jaxdp parity``; None: no twin.
   ``twin_without_gpus``: the twin used when there are fewer CUDA GPUs than devices (dp: DDP).
 - ``replicas``: whether its mesh has a replica axis (replicate x shard, as torchtitan's
   ``ParallelDims``). Without one its degrees on N devices are (1, N); with one, ``default_mesh``'s.

@@ -1,12 +1,16 @@
 """Deliberately broken jaxdp variants: each is a real porting mistake, and the harness must
 catch it and name it.
 
-Each bug is a set of monkeypatches, one per strategy: the spot where *that* strategy's
-step makes the mistake (they differ: ZeRO-3 divides by N in its own code, ``dp`` sums on
-device 0, ...). ``injection(name, cfg)`` returns a context manager that patches and
-restores on exit (also on an exception), or raises ``ParityError`` in one line where the
-bug cannot apply. Patch *before* the strategy traces its step (the runner builds a fresh
-strategy and jit inside the ``with``), so the compiled step contains the bug.
+Each bug is a set of monkeypatches, one per site of the code where the mistake can be made
+(they differ: ZeRO-3 divides by N in its own sync, ``dp`` sums on device 0, ...), all applied
+at once: a strategy's step runs the site its own code uses, and the others are not called.
+So the catalogue names no strategy: any registered pair (``jaxdp.registry``, ``pairs.PAIRS``)
+takes every bug, a new one included, through the code it shares (a new strategy built on
+``sync.AllReduce`` makes its 1/N mistake there); the ``missed_bug`` outcome of a run (exit 3)
+says when a strategy's own code holds no site. ``injection(name, cfg)`` returns a context
+manager that patches and restores on exit (also on an exception), or raises ``ParityError`` in
+one line where the bug cannot apply. Patch *before* the strategy traces its step (the runner
+builds a fresh strategy and jit inside the ``with``), so the compiled step contains the bug.
 
 =======================  ==============================================  ===========================================
 bug                      the mistake                                     where the harness must see it first
@@ -49,7 +53,7 @@ error_feedback_dropped   PowerSGD's new error computed from this step's  step s 
                                                                          sees it one step later
 =======================  ==============================================  ===========================================
 
-Where each is patched, per strategy:
+Where each is patched (every site at once; which strategies run each site):
 
 =======================  ==============================================================================
 same_padding             ``resnet.model._Layers.conv``: every strategy (ZeRO-3/HSDP's units use the same factory)
@@ -93,9 +97,9 @@ import contextlib
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from jaxdp import registry
+from parity_tests import pairs
 from parity_tests.config import ParityError
 
 
@@ -379,11 +383,6 @@ def _error_feedback_dropped(original):
     return compress
 
 
-def _everywhere(patch: Patch) -> Dict[str, Patch]:
-    """``patch`` for every strategy registered (``jaxdp.registry``)."""
-    return dict.fromkeys(registry.names(), patch)
-
-
 def _needs_several_devices(cfg) -> Optional[str]:
     return "it needs --devices >= 2 (one device has nothing to average)" if cfg.devices < 2 else None
 
@@ -420,9 +419,9 @@ def _needs_adam(cfg) -> Optional[str]:
 
 
 def _needs_the_shard_tensor(cfg) -> Optional[str]:
-    from jaxdp.models import family
+    from parity_tests.inputs import torch_model
 
-    if family(cfg.model) != "resnet":
+    if SHARD_TENSOR not in dict(torch_model(cfg).named_parameters()):
         return f"it perturbs {SHARD_TENSOR}, a ResNet tensor; {cfg.model} has none"
     return None
 
@@ -431,7 +430,7 @@ def _needs_the_shard_tensor(cfg) -> Optional[str]:
 class Bug:
     name: str
     what: str
-    patches: Mapping[str, Patch]  # strategy -> where its step makes this mistake
+    patches: Tuple[Patch, ...]    # every site of the code where a step makes this mistake
     step: Any                     # where the harness must report the first divergence (or cfg -> that step)
     category: str                 # ... in which category
     leaf: str = ""                # ... and, if set, a tensor whose name ends with this
@@ -442,53 +441,58 @@ class Bug:
         return self.step(cfg) if callable(self.step) else self.step
 
     def injection(self, cfg) -> contextlib.AbstractContextManager:
-        """The patch for ``cfg.strategy``; ParityError where this bug cannot apply."""
-        if cfg.strategy not in self.patches:
+        """The patches for ``cfg``'s run; ParityError where this bug cannot apply."""
+        if cfg.strategy not in pairs.PAIRS:
             raise ParityError(f"bug {self.name} cannot be injected into strategy {cfg.strategy!r}: "
-                              f"it applies to {', '.join(self.patches)}")
+                              f"it applies to {', '.join(pairs.PAIRS)}")
         why = self.requires(cfg)
         if why:
             raise ParityError(f"bug {self.name} cannot show in this run: {why}")
-        return self.patches[cfg.strategy].applied()
+        return self.applied()
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Every site patched, whatever the config (tests that check restoring call it directly)."""
+        with contextlib.ExitStack() as stack:
+            for patch in self.patches:
+                stack.enter_context(patch.applied())
+            yield
 
 
-ALLREDUCE_BUCKET = Patch(["jaxdp.strategies.sync.allreduce:AllReduce"], "reduce_bucket", _bucket_fed_n_times)
-STAGE3_DIVISION = Patch(["jaxdp.strategies.sync.sharded:GatherOnUse"], "update", _sync_fed_n_times)
-DDP_BUFFERS = Patch(_modules_calling_ddp_buffers, "ddp_buffers", _last_device_buffers)
-ALLREDUCE_INPUT = Patch(["jaxdp.strategies.sync.allreduce:AllReduce"], "update", _perturbed_allreduce_input)
-STAGE3_CHUNKS = Patch(["jaxdp.strategies.sync.sharded:GatherOnUse"], "update", _perturbed_chunk_before_division)
+ALLREDUCE = "jaxdp.strategies.sync.allreduce:AllReduce"  # ddp, async, zero1: the bucketed all-reduce they compose
+REDUCE_SCATTER = "jaxdp.strategies.sync.sharded:ReduceScatter"  # zero2
+GATHER_ON_USE = "jaxdp.strategies.sync.sharded:GatherOnUse"  # zero3, hsdp
+DP = "jaxdp.strategies.dp"  # dp's own step: the gather to device 0
 
 BUGS: Dict[str, Bug] = {b.name: b for b in (
     Bug("same_padding", "'SAME' padding on the stride-2 convs",
-        _everywhere(Patch(["jaxdp.models.resnet.model:_Layers"], "conv", _same_padding_conv)), 0, "loss"),
+        (Patch(["jaxdp.models.resnet.model:_Layers"], "conv", _same_padding_conv),), 0, "loss"),
     Bug("biased_var", "biased variance in BN running_var",
-        _everywhere(Patch(["jaxdp.models.resnet.model"], "BatchNorm", _biased_var_batchnorm)), 0, "buffers",
-        "running_var"),
-    Bug("missing_1_over_n", "gradient reduction without 1/N", {
-        "ddp": ALLREDUCE_BUCKET, "async": ALLREDUCE_BUCKET, "zero1": ALLREDUCE_BUCKET,
-        "zero2": Patch(["jaxdp.strategies.sync.sharded:ReduceScatter"], "update", _sync_fed_n_times),
-        "zero3": STAGE3_DIVISION, "hsdp": STAGE3_DIVISION,
-        "dp": Patch(["jaxdp.strategies.dp"], "gather_to_first", _unweighted_gather_to_first),
-    }, 0, "grads", requires=_needs_several_devices),
-    Bug("wrong_shard_bn", "BN running stats from the last device", {
-        **_everywhere(DDP_BUFFERS),
-        "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _last_chunk_stats),
-    }, 0, "buffers", requires=_needs_per_device_bn),
+        (Patch(["jaxdp.models.resnet.model"], "BatchNorm", _biased_var_batchnorm),), 0, "buffers", "running_var"),
+    Bug("missing_1_over_n", "gradient reduction without 1/N", (
+        Patch([ALLREDUCE], "reduce_bucket", _bucket_fed_n_times),
+        Patch([REDUCE_SCATTER, GATHER_ON_USE], "update", _sync_fed_n_times),
+        Patch([DP], "gather_to_first", _unweighted_gather_to_first),
+    ), 0, "grads", requires=_needs_several_devices),
+    Bug("wrong_shard_bn", "BN running stats from the last device", (
+        Patch(_modules_calling_ddp_buffers, "ddp_buffers", _last_device_buffers),
+        Patch([DP], "local_grads", _last_chunk_stats),
+    ), 0, "buffers", requires=_needs_per_device_bn),
     Bug("late_lr_schedule", "warmup_cosine's cosine starting one step late (after the warmup)",
-        _everywhere(Patch(["jaxdp.optim"], "make_schedule", _warmup_one_step_late)),
+        (Patch(["jaxdp.optim"], "make_schedule", _warmup_one_step_late),),
         lambda cfg: cfg.warmup_steps + 1, "params", requires=_needs_late_warmup_end),
     Bug("adam_bias_correction", "Adam's bias correction with step + 1",
         # optax.adam/adamw (jaxdp.optim.make_optimizer's chains) call it through this module
-        _everywhere(Patch(["optax._src.transform"], "scale_by_adam", _adam_bias_correction_off_by_one)),
+        (Patch(["optax._src.transform"], "scale_by_adam", _adam_bias_correction_off_by_one),),
         0, "params", requires=_needs_adam),
-    Bug("shard_grad_perturbation", f"device 0's gradient chunk of {SHARD_TENSOR} off by 1e-6 (relative)", {
-        "ddp": ALLREDUCE_INPUT, "async": ALLREDUCE_INPUT, "zero1": ALLREDUCE_INPUT,
-        "zero2": Patch(["jaxdp.strategies.sync.sharded:ReduceScatter"], "update", _perturbed_reduce_scatter_output),
-        "zero3": STAGE3_CHUNKS, "hsdp": STAGE3_CHUNKS,
-        "dp": Patch(["jaxdp.strategies.dp"], "local_grads", _perturbed_first_chunk_grads),
-    }, 0, "grads", SHARD_TENSOR, requires=_needs_the_shard_tensor),
+    Bug("shard_grad_perturbation", f"device 0's gradient chunk of {SHARD_TENSOR} off by 1e-6 (relative)", (
+        Patch([ALLREDUCE], "update", _perturbed_allreduce_input),
+        Patch([REDUCE_SCATTER], "update", _perturbed_reduce_scatter_output),
+        Patch([GATHER_ON_USE], "update", _perturbed_chunk_before_division),
+        Patch([DP], "local_grads", _perturbed_first_chunk_grads),
+    ), 0, "grads", SHARD_TENSOR, requires=_needs_the_shard_tensor),
     Bug("error_feedback_dropped", "PowerSGD's error feedback computed without the old error",
-        dict.fromkeys(("ddp", "zero1"), Patch(["jaxdp.strategies.sync.powersgd:PowerSGD"], "_compress", _error_feedback_dropped)),
+        (Patch(["jaxdp.strategies.sync.powersgd:PowerSGD"], "_compress", _error_feedback_dropped),),
         lambda cfg: cfg.powersgd_start_iter + 1, "comm_state", "error", requires=_needs_two_compressed_steps),
 )}
 
@@ -502,5 +506,4 @@ def injection(name: str, cfg) -> contextlib.AbstractContextManager:
 
 def patch_sites() -> List[Tuple[Any, str]]:
     """(owner, name) of every spot some injection replaces: for tests that check restoring."""
-    patches = {id(p): p for bug in BUGS.values() for p in bug.patches.values()}
-    return [(t, p.name) for p in patches.values() for t in p.targets()]
+    return [(t, p.name) for bug in BUGS.values() for p in bug.patches for t in p.targets()]

@@ -16,7 +16,7 @@ import io
 
 import numpy as np
 
-from parity_tests import report
+from parity_tests import pairs, report
 from parity_tests.config import ParityConfig
 from parity_tests.runner import run_parity
 
@@ -69,6 +69,10 @@ F64 = {
     "zero1-powersgd-hook": dict(strategy="zero1", devices=2, compress="powersgd", powersgd_start_iter=2,
                                 steps=SHORT, **ADAMW),
 }
+# Every registered pair (jaxdp.registry) runs in float64: the cases above, and this default one for a
+# pair that has none, so that a new strategy with a torch twin is tested without a line here.
+F64.update({f"{name}-n2-sgd": dict(strategy=name, devices=2, steps=SHORT, **SGD)
+            for name in pairs.PAIRS if not any(case["strategy"] == name for case in F64.values())})
 
 
 def config(dtype, **kw):
@@ -109,3 +113,6 @@ def check_float64(name):
 
 def f64_names(*prefixes):
     return [name for name in F64 if name.startswith(prefixes)]
+
+
+ZERO_FAMILY = ("zero", "hsdp")  # test_parity_zero.py's cases; test_parity.py runs all the others

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from jaxdp import names
 from jaxdp.config.step import ModelOptions, OptimizerOptions, StrategyOptions
 
 
@@ -44,16 +45,18 @@ class ParityConfig(OptimizerOptions, ModelOptions, StrategyOptions):
         return dataclasses.asdict(self)
 
     def model_options(self) -> Dict[str, Any]:
-        """The options of this model's family, as both ``create_model``s take them."""
-        from jaxdp.models import family
-
-        if family(self.model) == "resnet":
-            given = [k for k in self.VIT_OPTIONS if getattr(self, k) is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} size a ViT, not {self.model}")
-            return dict(width=self.width, blocks=tuple(self.blocks) if self.blocks else None, stem=self.stem)
-        sizes = {k: getattr(self, k) for k in self.VIT_OPTIONS if getattr(self, k) is not None}
-        return {**sizes, "image_size": self.image_size}
+        """The options of this model's family (``jaxdp.names``), as both ``create_model``s take them;
+        one left None keeps the named model's, and a ViT's image_size is the crop. (The ResNet
+        fields have parity's defaults, so another family ignores them; a ViT size given for
+        another family's model is refused.)"""
+        own = names.family(self.model)
+        stray = [k for k in names.VIT_SIZES if k not in own.options and getattr(self, k) is not None]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} size a ViT, not {self.model}")
+        values = {k: getattr(self, k) for k in own.options}
+        if values.get("blocks"):
+            values["blocks"] = tuple(values["blocks"])
+        return {k: v for k, v in values.items() if v is not None}
 
     def model_summary(self) -> str:
         """'resnet18 width 4 blocks (1, 1, 1, 1)' or 'vit-tiny depth 2 dim 16 ...' for reports."""

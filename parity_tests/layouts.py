@@ -17,6 +17,8 @@ import json
 import os
 from typing import Optional
 
+from jaxdp import names, registry
+from parity_tests import pairs
 from parity_tests.config import ParityConfig, ParityError
 
 LAYOUTS = ("data=N; data=N,model=M with a ViT or ResNet (ddp, zero3; float64); data=N,stage=S with a ViT "
@@ -44,13 +46,17 @@ def _float64_sgd_or_adamw(cfg: ParityConfig, what: str) -> None:
 
 def _vit(cfg: ParityConfig, what: str) -> dict:
     """The named ViT with the sizes given on the command line, or one line saying it is not a ViT."""
-    from jaxdp.models import family
-    from jaxdp.models.vit import CONFIGS
-
-    if family(cfg.model) != "vit":
+    if cfg.model not in names.VIT.models:
         raise ParityError(f"{what}, not {cfg.model}; parity's meshes are {LAYOUTS}")
-    return {**CONFIGS[cfg.model], "num_classes": 10, "image_size": cfg.image_size,
+    return {**names.VIT.models[cfg.model], "num_classes": 10, "image_size": cfg.image_size,
             **{k: getattr(cfg, k) for k in cfg.VIT_OPTIONS if getattr(cfg, k) is not None}}
+
+
+def _beside_a_split(twin_fits) -> list:
+    """The paired strategies (``pairs.PAIRS``) whose jaxdp engine runs beside a model or stage axis
+    (``model_parallel``) and whose torch twin's name passes ``twin_fits``."""
+    rows = [registry.row(n) for n in pairs.PAIRS]
+    return [r.name for r in rows if r.engine_class().model_parallel and twin_fits(r.torch_twin)]
 
 
 def tp_config(cfg: ParityConfig, sizes: dict):
@@ -58,14 +64,15 @@ def tp_config(cfg: ParityConfig, sizes: dict):
     saying why not."""
     from parity_tests import model_parallel as mp
 
-    from jaxdp.models import family
+    from torch_ref.strategies import twin
 
-    if cfg.strategy not in ("ddp", "zero3"):
-        raise ParityError(f"tensor-parallel parity runs ddp or zero3 on the data axis, not {cfg.strategy}")
+    runs = _beside_a_split(lambda t: twin(t).on_mesh is not None)  # the twin has a form on a 2-D mesh's dp dim
+    if cfg.strategy not in runs:
+        raise ParityError(f"tensor-parallel parity runs {' or '.join(runs)} on the data axis, not {cfg.strategy}")
     _float64_sgd_or_adamw(cfg, "tensor-parallel")
     common = dict(strategy=cfg.strategy, data=sizes.get("data", 1), model=sizes["model"], steps=cfg.steps,
                   batch_per_rank=cfg.batch_per_device, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed)
-    if family(cfg.model) == "resnet":  # channel-parallel against the hand-written twin
+    if cfg.model in names.RESNET.models:  # channel-parallel against the hand-written twin
         resnet = dict(name=cfg.model, num_classes=10, width=cfg.width, blocks=tuple(cfg.blocks or (1, 1, 1, 1)))
         return mp.TPConfig(family="resnet", resnet=resnet, **common)
     return mp.TPConfig(vit=_vit(cfg, "parity on a model axis runs a ViT or a ResNet"), **common)
@@ -75,9 +82,12 @@ def pp_config(cfg: ParityConfig, sizes: dict):
     """``pipeline_parallel.PPConfig`` for this run, one line if it cannot be."""
     from parity_tests import pipeline_parallel as pp
 
-    if cfg.strategy != "ddp":
-        raise ParityError(f"pipeline parity runs ddp on the data axis (torch's twin averages the stages' grads "
-                          f"over dp), not {cfg.strategy}")
+    from torch_ref.pipeline import DATA_PARALLEL
+
+    runs = _beside_a_split(lambda t: t == DATA_PARALLEL)  # the twin whose average torch's pipeline writes out
+    if cfg.strategy not in runs:
+        raise ParityError(f"pipeline parity runs {' or '.join(runs)} on the data axis (torch's twin averages the "
+                          f"stages' grads over dp), not {cfg.strategy}")
     _float64_sgd_or_adamw(cfg, "pipeline")
     return pp.PPConfig(data=sizes.get("data", 1), stage=sizes["stage"], microbatches=cfg.microbatches or sizes["stage"],
                        steps=cfg.steps, batch_per_rank=cfg.batch_per_device, optimizer=cfg.optimizer, lr=cfg.lr,

@@ -30,6 +30,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from jaxdp import registry
+
 SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=2, heads=4, mlp_dim=32)
 SMALL_RESNET = dict(name="resnet18", num_classes=10, width=4, blocks=(1, 1, 1, 1))
 RESNET_IMAGE_SIZE = 16  # 8x8 leaves layer4 1x1: its BatchNorm over 4 values amplifies rounding 100x in 10 steps
@@ -61,7 +63,7 @@ class TPConfig:
 
     @property
     def torch_config(self):
-        return {"dp": self.data, "tp": self.model, "strategy": self.strategy, "dtype": "float64",
+        return {"dp": self.data, "tp": self.model, "strategy": registry.row(self.strategy).torch_twin, "dtype": "float64",
                 "family": self.family, "model": self.model_config, "optimizer": self.optimizer, "lr": self.lr,
                 "momentum": 0.9, "weight_decay": 0.01}
 

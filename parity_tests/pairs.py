@@ -45,7 +45,7 @@ from jaxdp import registry
 from parity_tests.config import ParityConfig
 
 # The strategy options a pair may set: the same names on both sides (StrategyOptions). A pair
-# takes those its jaxdp constructor (``options_of``) and its twin (``STRATEGY_OPTIONS``) both
+# takes those its jaxdp constructor (``options_of``) and its twin (``Twin.options``) both
 # take; any other must stay at its default. ``powersgd_start_iter`` rides with ``--compress powersgd``.
 PAIR_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape", "remat")
 # How jaxdp sums (gloo and nccl pick their own algorithm), async's bound and what ZeRO-3 keeps for
@@ -86,12 +86,12 @@ FALLBACK_NOTE = ("without N GPUs {twin} cannot split the batch, so the twin is {
 
 def pair_for(name: str) -> Pair:
     """``name``'s row: its twin from its registry row and facts (``jaxdp.strategies.facts``); the
-    options both its jaxdp constructor (``options_of``) and its torch_ref twin (``STRATEGY_OPTIONS``) take."""
+    options both its jaxdp constructor (``options_of``) and its torch_ref twin (``Twin.options``) take."""
     from jaxdp.strategies import facts, options_of
-    from torch_ref.strategies import STRATEGY_OPTIONS
+    from torch_ref.strategies import twin
 
     f, row = facts(name), registry.row(name)
-    jax_takes, torch_takes = options_of(name), STRATEGY_OPTIONS[row.torch_twin]
+    jax_takes, torch_takes = options_of(name), twin(row.torch_twin).options
     options = tuple(n for n in PAIR_OPTIONS if n in jax_takes and (n in JAX_ONLY_OPTIONS or n in torch_takes))
     if row.twin_without_gpus:  # nn.DataParallel splits the batch over GPUs: without them, DDP
         fallback = row.twin_without_gpus

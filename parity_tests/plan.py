@@ -66,8 +66,8 @@ def plan(cfg: ParityConfig) -> Plan:
     defaults = ParityConfig()
     jax_options = {n: getattr(cfg, n) for n in pair.options if getattr(cfg, n) != getattr(defaults, n)}
     tcfg = _torch_config(cfg, pair, torch_strategy, full_batch)
-    if torch_strategy == "dp" and world == 1 and cuda:
-        tcfg["devices"] = cfg.devices
+    if _one_process(torch_strategy) and world == 1 and cuda:
+        tcfg["devices"] = cfg.devices  # nn.DataParallel's GPUs
     if cfg.allreduce != "psum":
         notes.append(f"jaxdp sums with allreduce={cfg.allreduce!r}; torch with the {'nccl' if cuda else 'gloo'} all-reduce")
     p = Plan(cfg, pair, torch_strategy, world, full_batch, jax_options, tcfg, cuda, notes, backend=backend)
@@ -80,7 +80,7 @@ def plan(cfg: ParityConfig) -> Plan:
         _plan_powersgd(p)
     if cfg.torch_cudnn == "off":
         notes.append("torch without cuDNN (--torch-cudnn off): its own CUDA convolutions, as a reference")
-    if full_batch and cfg.strategy != "ddp":
+    if full_batch:
         notes.append(f"torch runs '{torch_strategy}' on one rank with the full batch")
     return p
 
@@ -138,9 +138,10 @@ def _torch_config(cfg: ParityConfig, pair: Pair, torch_strategy: str, full_batch
 def torch_layout(cfg: ParityConfig, pair: Pair, gpus: int):
     """(torch strategy, ranks, full batch on one rank?, notes) with ``gpus`` CUDA GPUs to use."""
     torch_strategy = pair.torch(cfg, gpus) if callable(pair.torch) else pair.torch
-    notes = [pair.note] if pair.note and torch_strategy != "dp" else []
+    one_process = _one_process(torch_strategy)
+    notes = [pair.note] if pair.note and not one_process else []
     world, full_batch = cfg.devices, False
-    if torch_strategy == "dp":
+    if one_process:
         world = 1  # nn.DataParallel: one process driving N GPUs
     if cfg.sync_bn:
         if gpus and gpus >= cfg.devices:
@@ -149,6 +150,13 @@ def torch_layout(cfg: ParityConfig, pair: Pair, gpus: int):
             world, full_batch = 1, True
             notes.append(SYNC_BN_CPU)
     return torch_strategy, world, full_batch, notes
+
+
+def _one_process(torch_strategy: str) -> bool:
+    """The twin is one process driving every device (nn.DataParallel: ``Twin.one_process``)."""
+    from torch_ref.strategies import twin
+
+    return twin(torch_strategy).one_process
 
 
 def _torch_backend(cfg: ParityConfig, pair: Pair):

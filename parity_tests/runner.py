@@ -135,11 +135,11 @@ def bounds_for(p: Plan):
     rounding on ``p.world`` ranks (``compare.low_precision_wire``)."""
     import dataclasses
 
-    from jaxdp.models import family
+    from jaxdp import names
     from parity_tests import budgets, compare
 
     base = compare.DEFAULT_BOUNDS[p.cfg.dtype]
-    if p.cfg.dtype == "bfloat16" and family(p.cfg.model) == "resnet":
+    if p.cfg.dtype == "bfloat16" and names.family(p.cfg.model).batchnorm:
         base = compare.BFLOAT16_BN
     if p.cfg.dtype in ("float32", "bfloat16"):
         rows = budgets.rows_for(p.cfg.model_summary(), p.cfg.image_size, (p.cfg.optimizer, p.cfg.lr, p.cfg.schedule))

@@ -152,16 +152,51 @@ def test_a_late_bug_needs_a_run_long_enough_to_show():
         BUGS["late_lr_schedule"].injection(short)
 
 
-def test_every_bug_applies_to_every_pair_that_can_show_it():
-    """A new pair must say where each bug goes (or why it cannot): an injection that
-    silently patches nothing would make the harness look broken, or worse, fine. A PowerSGD
-    bug goes into every pair whose strategy can run PowerSGD against torch's."""
-    from jaxdp.strategies import options_of
+# The bugs each strategy makes in code of its own (where it reduces the gradient, which BN buffers it keeps).
+OWN_CODE = ("missing_1_over_n", "wrong_shard_bn", "shard_grad_perturbation")
 
-    powersgd = {name for name in PAIRS if "powersgd_options" in options_of(name)}
-    assert powersgd == {"ddp", "zero1"}
-    for bug in BUGS.values():
-        assert set(bug.patches) == (powersgd if bug.category == "comm_state" else set(PAIRS)), bug.name
+
+def _counting(patch, bug: str, calls: dict):
+    """``patch`` whose replacement counts its calls under ``bug``."""
+    def make(original):
+        replaced = patch.make(original)
+
+        def counted(*args, **kwargs):
+            calls[bug] += 1
+            return replaced(*args, **kwargs)
+        return counted
+    return bugs.Patch(patch.owners, patch.name, make)
+
+
+def test_every_pair_runs_a_site_of_every_bug_it_makes_in_its_own_code():
+    """The catalogue names no strategy (its sites are patched all at once), so every registered
+    pair must reach one of each bug's sites: an injection that patches nothing its step runs
+    would make the harness look broken, or worse, fine. Each pair's step is traced (lowered,
+    not compiled) with every site counting its calls."""
+    import contextlib
+
+    import numpy as np
+
+    from jaxdp.interop import variables_from_state_dict
+    from parity_tests.inputs import init_state_dict
+    from parity_tests.jax_side import jax_strategy
+    from parity_tests.plan import plan
+
+    assert set(PAIRS) >= {"ddp", "zero1", "zero2", "zero3", "hsdp", "dp", "async"}
+    rng = np.random.default_rng(0)
+    for name in PAIRS:
+        cfg = ParityConfig(dtype="float32", strategy=name, devices=2, **TINY)
+        strategy = jax_strategy(plan(cfg))
+        state = strategy.init_state(variables_from_state_dict(init_state_dict(cfg), dtype="float32"))
+        batch = strategy.shard_batch({"image": rng.normal(size=(16, 16, 16, 3)).astype(np.float32),
+                                      "label": rng.integers(0, 10, 16)})
+        calls = dict.fromkeys(OWN_CODE, 0)
+        with contextlib.ExitStack() as stack:
+            for bug in OWN_CODE:
+                for patch in BUGS[bug].patches:
+                    stack.enter_context(_counting(patch, bug, calls).applied())
+            strategy.lower_step(state, batch)
+        assert all(calls.values()), (name, calls)
 
 
 def test_a_bug_that_cannot_apply_is_refused_before_anything_runs(monkeypatch):
@@ -188,11 +223,11 @@ def test_a_bug_that_cannot_apply_is_refused_before_anything_runs(monkeypatch):
                        image_size=16)
     with pytest.raises(ParityError, match="it perturbs layer3.0.conv2.weight, a ResNet tensor; vit-tiny has none"):
         run_parity(vit, bug="shard_grad_perturbation")
-    # A strategy with no patch for a bug: the message names those that have one.
+    # A strategy that is no pair: the message names the pairs (jaxdp.registry's order).
     with pytest.raises(ParityError) as e:
         BUGS["missing_1_over_n"].injection(ParityConfig(strategy="pipeline"))
     assert str(e.value) == ("bug missing_1_over_n cannot be injected into strategy 'pipeline': it "
-                            "applies to ddp, async, zero1, zero2, zero3, hsdp, dp")
+                            "applies to ddp, zero1, zero2, zero3, hsdp, dp, async")
 
 
 def _site_values():
@@ -205,10 +240,12 @@ def test_bugs_are_undone():
     needed to check)."""
     before = _site_values()
     for bug in BUGS.values():
-        for strategy in bug.patches:
-            with bug.patches[strategy].applied():  # the patch itself: no config needs to show the bug
+        for patch in bug.patches:
+            with patch.applied():  # the patch itself: no config needs to show the bug
                 changed = sum(a is not b for a, b in zip(before, _site_values()))
-                assert changed >= 1, (bug.name, strategy)
+                assert changed >= len(patch.targets()), (bug.name, patch.name)
+        with bug.applied():
+            assert sum(a is not b for a, b in zip(before, _site_values())) >= len(bug.patches), bug.name
     assert all(a is b for a, b in zip(before, _site_values()))
 
 

@@ -3,15 +3,18 @@ harness itself (plan, report, GPU runs).
 
 CPU: jaxdp on simulated devices (root conftest: 8 devices, x64), torch_ref on gloo ranks. The
 model, optimizers and float64 cases are ``parity_tests.cases``; this module runs the DDP family
-(ddp, dp, async, ring, compression hooks), which share torch runs (``reuse_torch``), and one
-ResNet-18 of width 16 with the full (2, 2, 2, 2) depth. The other pairs: test_parity_zero.py,
-test_parity_float32.py, test_parity_clip.py; the ViT family: test_vit_parity.py.
+(ddp, dp, async, ring, compression hooks), which share torch runs (``reuse_torch``), every other
+registered pair's default case (``cases.F64``: a strategy added to ``jaxdp.registry`` with a torch
+twin is paired here), and one ResNet-18 of width 16 with the full (2, 2, 2, 2) depth. The other
+pairs: test_parity_zero.py, test_parity_float32.py, test_parity_clip.py; the ViT family:
+test_vit_parity.py.
 """
 
 import numpy as np
 import pytest
 
-from parity_tests.cases import SGD, SHORT, assert_parity, check_float64, config, f64_names
+from jaxdp import registry
+from parity_tests.cases import F64, SGD, SHORT, ZERO_FAMILY, assert_parity, check_float64, config, f64_names
 from parity_tests.config import ParityConfig, ParityError
 from parity_tests.inputs import full_batch_order
 from parity_tests.plan import plan
@@ -19,7 +22,7 @@ from parity_tests.runner import run_parity
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", f64_names("ddp", "dp", "async"))
+@pytest.mark.parametrize("name", [name for name in F64 if name not in f64_names(*ZERO_FAMILY)])
 def test_float64_every_tensor_every_step(name):
     check_float64(name)
 
@@ -111,6 +114,8 @@ def test_gpu_parity_every_strategy_on_every_gpu(dtype, tmp_path):
     import subprocess
     import sys
 
+    from torch_ref.strategies import twin
+
     gpus = _cuda_gpus()
     if gpus < 2:
         pytest.skip(f"needs >= 2 CUDA GPUs (torch sees {gpus}); on a GPU host run: make gpu-check")
@@ -125,14 +130,15 @@ def test_gpu_parity_every_strategy_on_every_gpu(dtype, tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert (report["status"], report["mode"], report["n"], report["backend"]) == ("PASS", "gpu", gpus, "nccl")
-    assert [p["strategy"] for p in report["pairs"]] == ["ddp", "zero1", "zero2", "zero3", "hsdp", "dp"]
+    assert [p["strategy"] for p in report["pairs"]] == list(registry.names(gpu_checked=True))
     for p in report["pairs"]:
         assert p["status"] == "PASS", (p["id"], p["message"])
         dev = p["details"]["devices"]
         assert dev["jax_platform"] == "gpu" and dev["jax_matmul_precision"] == "highest"
         assert dev["tf32"]["off_on_both_sides"], dev["tf32"]
         ranks = dev["torch_ranks"]  # dp: one process driving every GPU (nn.DataParallel)
-        want = ["cuda:0"] if p["strategy"] == "dp" else [f"cuda:{r}" for r in range(gpus)]
+        want = ["cuda:0"] if twin(registry.row(p["strategy"]).torch_twin).one_process else \
+            [f"cuda:{r}" for r in range(gpus)]
         assert [r["device"] for r in ranks] == want
         assert [r["LOCAL_RANK"] for r in ranks] == [str(r) for r in range(len(want))]
         assert all(r["NVIDIA_TF32_OVERRIDE"] == "0" and not r["cudnn_allow_tf32"] for r in ranks)

@@ -26,6 +26,7 @@ TORCH_SIDE = ("torch", "torch_ref", "parity_tests", "torch_commands")
 # from the layers below its own, never from a layer above nor from another folder of its layer.
 # "jaxdp" is the package itself: its public names, loaded lazily from api/, loss/ and runtime/.
 LAYERS = (
+    ("names",),  # the name tables: models by family, optimizers, schedules, datasets, ... (imports nothing)
     ("registry", "runtime", "data", "loss"),  # strategy names; devices and meshes; numpy data; the loss contract
     ("config", "optim", "parallel", "checkpoint"),  # the options tree; optimizers; model axes; the checkpoint service
     ("models",),  # model families, with their tensor-parallel plans
@@ -128,11 +129,12 @@ def test_the_graph_reads_function_level_and_relative_imports():
         graphlib.TopologicalSorter({**graph, "jaxdp.data.arrays": {"jaxdp.data.datasets"}}).prepare()
 
 
-def test_the_jaxdp_root_holds_packages_and_three_one_idea_modules():
+def test_the_jaxdp_root_holds_packages_and_four_one_idea_modules():
     """Folders by concern (docs/architecture.md): a new module goes into the package of its concern,
-    and every folder has its place in the layers."""
+    and every folder has its place in the layers. (The root's: the weight conversion, the optimizers,
+    and the two jax-free name tables.)"""
     root = sorted(p.stem for p in (ROOT / "jaxdp").glob("*.py"))
-    assert root == ["__init__", "interop", "optim", "registry"]
+    assert root == ["__init__", "interop", "names", "optim", "registry"]
     packages = sorted(p.parent.name for p in (ROOT / "jaxdp").glob("*/__init__.py"))
     assert packages == ["analysis", "api", "checkpoint", "cli", "config", "data", "loss", "models", "parallel", "run",
                         "runtime", "strategies"]

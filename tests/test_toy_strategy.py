@@ -1,8 +1,11 @@
-"""A strategy defined here, in the test, reaches train, inspect, plan and bench by one registry row.
+"""A strategy defined here, in the test, reaches train, inspect, plan and bench by one registry row,
+and ``jaxdp parity`` with its torch twin.
 
 The toy is DDP under another name with one option fixed by the name (``allreduce="ring"``):
 registering its row (``jaxdp.registry``) is the only step; no file of jaxdp, the bench or
 the planner names it. The row is removed after the test, and the CLI then refuses the name.
+With a torch twin (``TOY_TWIN``, below, named by the row) it is three pieces: its module, its
+row and its twin; the parity harness, its float64 bounds and its injected bugs take it as it is.
 """
 
 import dataclasses
@@ -15,6 +18,7 @@ import pytest
 from jaxdp import registry
 from jaxdp.cli.command import main
 from jaxdp.strategies.ddp import DDP
+from torch_ref.strategies import DDP_OPTIONS, Twin, ddp
 
 TINY = ["--width", "4", "--blocks", "1,1,1,1"]
 
@@ -26,6 +30,16 @@ class Toy(DDP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         Toy.built.append(self.sync.allreduce)
+
+
+def toy_twin(model, *, device, **options):
+    """The toy's PyTorch twin: torch's DDP, whose gloo all-reduce sums what the toy's ring sums."""
+    return ddp(model, device=device, **options)
+
+
+# The toy's twin, as a new strategy's twin module in torch_ref would define it. Its row names it
+# "module:attr": the torch ranks import this module to find it.
+TOY_TWIN = Twin(toy_twin, DDP_OPTIONS)
 
 
 @pytest.fixture
@@ -73,6 +87,27 @@ def test_a_toy_strategy_reaches_train_inspect_plan_and_bench(toy, tmp_path, caps
     assert Toy.built == ["ring"] * len(Toy.built) and len(Toy.built) >= 4
 
 
+@pytest.mark.slow
+def test_a_toy_strategy_with_a_torch_twin_is_paired_by_jaxdp_parity(tmp_path, capsys):
+    """Its module (``Toy``), its row and its twin (``TOY_TWIN``): ``jaxdp parity`` pairs it and it
+    passes, float64, N = 2, the tiny ResNet, every tensor at every step within 1e-10; and an injected
+    bug (the catalogue names no strategy) reaches its step and is caught."""
+    Toy.built.clear()
+    twin = f"{__name__}:TOY_TWIN"
+    args = ["parity", "--strategy", "toy", "--devices", "2", "--dtype", "float64", *TINY, "--image-size", "16",
+            "--steps", "3"]
+    with registry.registered(registry.Row("toy", Toy, {"allreduce": "ring"}, torch_twin=twin)):
+        assert main([*args, "--out", str(tmp_path / "clean")]) == 0, capsys.readouterr()
+        report = json.loads((tmp_path / "clean" / "report.json").read_text())
+        assert report["passed"] and report["plan"]["torch"]["strategy"] == twin
+        assert len(report["comparison"]["steps"]) == 3 and Toy.built == ["ring"]
+        assert main([*args, "--inject-bug", "missing_1_over_n", "--out", str(tmp_path / "bug")]) == 1
+        divergence = json.loads((tmp_path / "bug" / "report.json").read_text())["comparison"]["divergence"]
+        assert (divergence["step"], divergence["category"]) == (0, "grads")
+        assert abs(divergence["rel"] - 1) < 1e-12  # every gradient twice torch's: summed over N = 2, not averaged
+    assert "toy" not in registry.names()
+
+
 def test_an_unregistered_name_is_refused_in_one_line(capsys):
     assert "toy" not in registry.names()
     assert main(["train", "--strategy", "toy", "--out", os.devnull]) == 2
@@ -110,7 +145,7 @@ def test_the_default_hsdp_mesh_is_one_definition():
 
     from jaxdp.strategies.zero import default_hsdp_shape
     from torch_commands.gpu_check import plan as gpu_check
-    from torch_ref.strategies import TWINS, hsdp_mesh_shape
+    from torch_ref.strategies import hsdp_mesh_shape, twin
 
     assert registry.default_mesh(2) == (2, 1) and registry.default_mesh(8) == (2, 4)
     assert registry.default_mesh(3) == (1, 3) and registry.default_mesh(8, hosts=4) == (4, 2)
@@ -120,4 +155,4 @@ def test_the_default_hsdp_mesh_is_one_definition():
             == registry.default_mesh(n), n
     assert [registry.mesh_shape(n, 4) for n in registry.names()] == [
         (2, 2) if registry.row(n).replicas else None for n in registry.names()]
-    assert {registry.row(n).torch_twin for n in registry.names()} <= set(TWINS)  # every twin is built
+    assert all(twin(registry.row(n).torch_twin) for n in registry.names() if registry.row(n).torch_twin)  # each is built

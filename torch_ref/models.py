@@ -8,11 +8,9 @@ first stage's channels, 64 in torchvision) and ``blocks`` (blocks per stage) for
 tiny test variants, and ``stem="cifar"`` (3x3/1 convolution, no max-pool) for
 32x32 inputs. torchvision itself is not a dependency.
 
-The choices and their error messages (``create_model``'s) are those of
-``jaxdp.models.create_model``.
-They are spelled out again here rather than imported, so that torch processes
-(torchrun ranks, benchmarks) do not have to import JAX; ``tests/test_interop.py``
-checks that the two lists agree.
+The names, each family's options and their one-line errors (``create_model``'s) are those of
+``jaxdp.models.create_model``: both read the model table, ``jaxdp.names``, which imports no JAX,
+so torch processes (torchrun ranks, benchmarks) do not have to.
 """
 
 from typing import Optional, Sequence
@@ -20,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from jaxdp import names
 from torch_ref import vit
 
 
@@ -79,15 +78,13 @@ class Bottleneck(nn.Module):
         return self.relu(out + identity)
 
 
-ARCHITECTURES = {
-    "resnet18": (BasicBlock, (2, 2, 2, 2)),
-    "resnet34": (BasicBlock, (3, 4, 6, 3)),
-    "resnet50": (Bottleneck, (3, 4, 6, 3)),
-}
+# The model table's rows (jaxdp.names) as torch builds them.
+BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
+ARCHITECTURES = {name: (BLOCKS[size["block"]], size["stages"]) for name, size in names.RESNET.models.items()}
 VIT_ARCHITECTURES = vit.CONFIGS
-MODELS = tuple(ARCHITECTURES) + tuple(VIT_ARCHITECTURES)
-FAMILIES = {**{n: "resnet" for n in ARCHITECTURES}, **{n: "vit" for n in VIT_ARCHITECTURES}}
-STEMS = ("cifar", "imagenet")
+MODELS = names.MODELS
+FAMILIES = {name: f.name for f in names.FAMILIES for name in f.models}
+STEMS = names.STEMS
 
 
 class ResNet(nn.Module):
@@ -145,33 +142,12 @@ def resnet(name: str = "resnet18", num_classes: int = 10, width: int = 64,
     ``resnet("resnet18", num_classes=1000, stem="imagenet")`` is
     ``torchvision.models.resnet18()`` exactly, state_dict keys included.
     """
-    if name not in ARCHITECTURES:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ARCHITECTURES)}")
-    if stem not in STEMS:
-        raise ValueError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
-    if width < 1:
-        raise ValueError(f"width must be positive, got {width}")
-    block, layers = ARCHITECTURES[name]
-    if blocks is not None:
-        if len(blocks) != 4 or min(blocks) < 1:
-            raise ValueError(f"blocks must be four positive counts, got {tuple(blocks)}")
-        layers = tuple(blocks)
-    return ResNet(block, layers, num_classes=num_classes, width=width, stem=stem)
+    block, layers = names.resnet_size(name, width, blocks, stem)
+    return ResNet(BLOCKS[block], layers, num_classes=num_classes, width=width, stem=stem)
 
-
-# Each family's own options with their defaults; the other family's are refused unless
-# left at their defaults (as in jaxdp.models, whose messages these are).
-_RESNET_OPTIONS = {"width": 64, "blocks": None, "stem": "cifar"}
-_VIT_OPTIONS = ("depth", "dim", "heads", "mlp_dim", "patch", "image_size")
 
 # The module classes torch_ref.strategies fully_shards as FSDP units, every family's.
 FSDP_UNITS = (BasicBlock, Bottleneck) + vit.FSDP_UNITS
-
-
-def _positive(option: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{option} must be a positive integer, got {value!r}")
-    return value
 
 
 def create_model(name: str = "resnet18", *, num_classes: int = 10, width: int = 64,
@@ -180,29 +156,22 @@ def create_model(name: str = "resnet18", *, num_classes: int = 10, width: int = 
                  heads: Optional[int] = None, mlp_dim: Optional[int] = None,
                  patch: Optional[int] = None, image_size: Optional[int] = None) -> nn.Module:
     """Any model in MODELS (float32), with ``jaxdp.models.create_model``'s options and
-    errors (ValueError here): ``width``/``blocks``/``stem`` for a ResNet,
+    errors (``jaxdp.names.ModelError``, a ValueError): ``width``/``blocks``/``stem`` for a ResNet,
     ``depth``/``dim``/``heads``/``mlp_dim``/``patch``/``image_size`` for a ViT."""
-    if name not in FAMILIES:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     given = dict(width=width, blocks=blocks, stem=stem, depth=depth, dim=dim, heads=heads,
                  mlp_dim=mlp_dim, patch=patch, image_size=image_size)
-    if FAMILIES[name] == "resnet":
-        for option in _VIT_OPTIONS:
-            if given[option] is not None:
-                raise ValueError(f"{option}={given[option]!r} does not apply to {name}; "
-                                 f"ResNet options: width, blocks, stem")
-        return resnet(name, num_classes=num_classes, width=width, blocks=blocks, stem=stem)
-    for option, default in _RESNET_OPTIONS.items():
-        if given[option] != default:
-            raise ValueError(f"{option}={given[option]!r} does not apply to {name}; "
-                             f"ViT options: {', '.join(_VIT_OPTIONS)}")
-    config = {**VIT_ARCHITECTURES[name], "image_size": 32}
-    config.update({k: _positive(k, given[k]) for k in _VIT_OPTIONS if given[k] is not None})
-    if config["dim"] % config["heads"]:
-        raise ValueError(f"dim {config['dim']} must be divisible by heads {config['heads']}")
-    if config["image_size"] % config["patch"]:
-        raise ValueError(f"image_size {config['image_size']} must be divisible by patch {config['patch']}")
-    return vit.VisionTransformer(num_classes=num_classes, **config)
+    return _BUILDERS[names.check_options(name, given).name](name, given, num_classes)
+
+
+def _create_resnet(name, given, num_classes) -> ResNet:
+    return resnet(name, num_classes=num_classes, width=given["width"], blocks=given["blocks"], stem=given["stem"])
+
+
+def _create_vit(name, given, num_classes) -> nn.Module:
+    return vit.VisionTransformer(num_classes=num_classes, **names.vit_size(name, given))
+
+
+_BUILDERS = {names.RESNET.name: _create_resnet, names.VIT.name: _create_vit}  # each family of jaxdp.names
 
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "FSDP_UNITS", "MODELS", "STEMS", "VIT_ARCHITECTURES",

@@ -37,6 +37,9 @@ from torch import nn
 
 from torch_ref.vit import VisionTransformer
 
+# The data-parallel twin (torch_ref.strategies.TWINS) whose average the dp dim writes out below.
+DATA_PARALLEL = "ddp"
+
 IN_FEATURES, HIDDEN, OUT_FEATURES = 10, 10, 5
 
 

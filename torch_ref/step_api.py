@@ -99,7 +99,7 @@ def resolve_config(config: Mapping[str, Any]) -> Dict[str, Any]:
 
 def strategy_options(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     """The strategy's own options; a non-default value for one it does not take is an error."""
-    accepted = strategies.STRATEGY_OPTIONS.get(cfg["strategy"], ())
+    accepted = strategies.twin(cfg["strategy"]).options
     options = {}
     for key in _STRATEGY_KEYS:
         if key in accepted:

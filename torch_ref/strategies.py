@@ -32,6 +32,7 @@ own batches, as DDP does between its per-forward broadcasts (``sync_buffers`` co
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
@@ -41,13 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from jaxdp import registry
+from jaxdp import names, registry
 from torch_ref import compat
 from torch_ref import dist as tdist
 from torch_ref.models import FSDP_UNITS
-
-COMPRESSIONS = ("bf16", "fp16", "powersgd")
-OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 class StrategyError(ValueError):
@@ -316,7 +314,7 @@ def register_comm_hook(model, compress: str, *, rank: int = 1, start_iter: int =
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
     if compress != "powersgd":
-        raise StrategyError(f"unknown compress {compress!r}; choose one of {', '.join(COMPRESSIONS)}")
+        raise StrategyError(f"unknown compress {compress!r}; choose one of {', '.join(names.COMPRESSIONS)}")
     try:
         hook = powersgd.Hook(model.module, rank=rank, start_iter=start_iter, seed=seed, initial_q=initial_q)
     except powersgd.PowerSGDError as e:
@@ -355,7 +353,7 @@ class Parallel:
 
     @property
     def twin(self) -> "Twin":
-        return TWINS[self.name]
+        return twin(self.name)
 
     @property
     def sharded(self) -> bool:
@@ -425,28 +423,63 @@ def _fsdp_no_sync(model):
 @dataclass(frozen=True)
 class Twin:
     """One twin torch_ref can build (the ``torch_twin`` of a ``jaxdp.registry`` row): its wrapper,
-    the options it takes, and how it runs: ``fsdp`` (FSDP2: params, grads and optimizer states are
-    DTensor shards), ``one_process`` (nn.DataParallel: one process drives every device) or
-    ``zero_optimizer`` (ZeroRedundancyOptimizer: each rank holds its part of the optimizer state)."""
+    the options it takes, and how it runs. Everything a loop, parity or the bench does differently
+    per strategy is one of these attributes, never a name:
+
+    - ``wrap(model, *, device, **options)``: DDP-like twins return ``(wrapped, comm hook state)``;
+      ``fsdp`` twins (FSDP2: params, grads and optimizer states are DTensor shards, sharded in
+      place) also take ``mixed_precision`` and return the model; ``one_process`` twins
+      (nn.DataParallel: one process drives every device) also take ``announce``;
+    - ``zero_optimizer``: ZeroRedundancyOptimizer (each rank holds its part of the optimizer state);
+    - ``on_mesh(model, dp_mesh)``: the twin over the data dim of a 2-D mesh, beside tensor
+      parallelism (None: it has no such form).
+
+    A new strategy's twin is a ``Twin`` in a module of its own, named by its registry row as
+    ``"module:attr"`` (``twin``); ``TWINS`` are the built-in ones."""
 
     wrap: Callable
     options: Tuple[str, ...] = ()
     fsdp: bool = False
     one_process: bool = False
     zero_optimizer: bool = False
+    on_mesh: Optional[Callable] = None
 
 
-_DDP_OPTIONS = ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q", "powersgd_seed")
+def _ddp_on_mesh(model: nn.Module, dp_mesh) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_mesh=dp_mesh)
+
+
+def _zero3_on_mesh(model: nn.Module, dp_mesh) -> nn.Module:
+    return fsdp(model, reshard_after_forward=True, mesh=dp_mesh)  # per block, then the root
+
+
+DDP_OPTIONS = ("bucket_cap_mb", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_q", "powersgd_seed")
 TWINS = {
     "dp": Twin(dp, ("devices",), one_process=True),
-    "ddp": Twin(ddp, _DDP_OPTIONS),
-    "zero1": Twin(zero1, _DDP_OPTIONS, zero_optimizer=True),
+    "ddp": Twin(ddp, DDP_OPTIONS, on_mesh=_ddp_on_mesh),
+    "zero1": Twin(zero1, DDP_OPTIONS, zero_optimizer=True),
     "zero2": Twin(zero2, fsdp=True),
-    "zero3": Twin(zero3, fsdp=True),
+    "zero3": Twin(zero3, fsdp=True, on_mesh=_zero3_on_mesh),
     "hsdp": Twin(hsdp, ("mesh_shape",), fsdp=True),
 }
 STRATEGIES = tuple(TWINS)
-STRATEGY_OPTIONS = {name: twin.options for name, twin in TWINS.items()}
+
+
+def twin(name: str) -> Twin:
+    """The twin called ``name``: one of ``TWINS``, or ``"module:attr"``, a ``Twin`` defined beside a
+    new strategy's twin (as a registry row's engine may be ``"module:Class"``). The name travels to
+    the torch ranks as a string, and each rank resolves it here."""
+    if name in TWINS:
+        return TWINS[name]
+    module, sep, attr = name.partition(":")
+    if sep:
+        found = getattr(importlib.import_module(module), attr, None)
+        if isinstance(found, Twin):
+            return found
+        raise StrategyError(f"{name!r} names no torch_ref.strategies.Twin")
+    raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(TWINS)}")
 
 
 def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
@@ -454,17 +487,15 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
          **options) -> Parallel:
     """Wrap ``model`` (already on ``device``, in its final dtype) for strategy ``name``.
 
-    ``options`` are the strategy's own (``STRATEGY_OPTIONS``); any other is an error.
+    ``options`` are the twin's own (``Twin.options``); any other is an error.
     ``mixed_precision``: FSDP2 ``MixedPrecisionPolicy``s (``mixed_precision_policies``: bf16
     compute, fp32 norm layers and gradient reduction), on CUDA and CPU; for dp/ddp/zero1, ``torch.autocast(bf16)``
     around forward and loss (params and grads stay fp32).
     ``sync_bn``: ``SyncBatchNorm`` (CUDA only).
     """
-    if name not in TWINS:
-        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(TWINS)}")
-    twin = TWINS[name]
+    chosen = twin(name)
     device = device or tdist.device()
-    accepted = twin.options
+    accepted = chosen.options
     unknown = [k for k in options if k not in accepted]
     if unknown:
         raise StrategyError(f"strategy {name!r} takes no option {', '.join(unknown)} "
@@ -472,22 +503,22 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
     if sync_bn:
         if device.type != "cuda":
             raise StrategyError(SYNC_BN_CPU_NOTE)
-        if twin.one_process:
+        if chosen.one_process:
             raise StrategyError(f"--sync-bn needs one process per GPU (ddp, zero*, hsdp), not {name}")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     comm_state, autocast = None, None
-    if twin.fsdp:
+    if chosen.fsdp:
         problem = compat.fsdp_cpu_problem() if device.type == "cpu" else None
         if problem:
             raise StrategyError(problem)
-        wrapped = twin.wrap(model, device=device, mixed_precision=mixed_precision, **options)
+        wrapped = chosen.wrap(model, device=device, mixed_precision=mixed_precision, **options)
         module = wrapped  # fully_shard works in place: the root is the model
     else:
         autocast = torch.bfloat16 if mixed_precision else None
-        if twin.one_process:
-            wrapped = twin.wrap(model, device=device, announce=announce, **options)
+        if chosen.one_process:
+            wrapped = chosen.wrap(model, device=device, announce=announce, **options)
         else:
-            wrapped, comm_state = twin.wrap(model, device=device, **options)
+            wrapped, comm_state = chosen.wrap(model, device=device, **options)
         module = model
     return Parallel(name=name, model=wrapped, module=module, device=device,
                     comm_state=comm_state, autocast_dtype=autocast)
@@ -515,7 +546,7 @@ def optimizer_for(params, name: str, lr: float, *, zero1: bool = False, momentum
         cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
         kw = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     else:
-        raise StrategyError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+        raise StrategyError(f"unknown optimizer {name!r}; choose one of {', '.join(names.OPTIMIZERS)}")
     try:
         if zero1:
             from torch.distributed.optim import ZeroRedundancyOptimizer

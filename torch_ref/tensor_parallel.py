@@ -73,15 +73,14 @@ def canonical(name: str, t: torch.Tensor, tp: int, layouts: Mapping[str, tuple])
 
 
 def _data_parallel(model, dp_mesh, strategy: str):
-    from torch_ref.strategies import fsdp
+    """The twin ``strategy`` over the mesh's ``dp`` dim (its ``Twin.on_mesh``: DDP, or FSDP2 per block)."""
+    from torch_ref.strategies import TWINS, twin
 
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model, device_mesh=dp_mesh)
-    if strategy == "zero3":
-        return fsdp(model, reshard_after_forward=True, mesh=dp_mesh)  # per encoder block, then the root
-    raise ValueError(f"torch_ref's tensor-parallel twin runs ddp or zero3, not {strategy!r}")
+    on_mesh = twin(strategy).on_mesh
+    if on_mesh is None:
+        raise ValueError(f"torch_ref's tensor-parallel twin runs {' or '.join(n for n, t in TWINS.items() if t.on_mesh)}, "
+                         f"not {strategy!r}")
+    return on_mesh(model, dp_mesh)
 
 
 def build_vit(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray], mesh):

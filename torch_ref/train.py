@@ -47,7 +47,8 @@ from jaxdp.run.rundir import MetricsLog, check_fingerprint, refuse_earlier_run, 
 from torch_ref import checkpoint as ckpt
 from torch_ref import dist as tdist
 from torch_ref.step_api import DTYPES, Runner, build, to_torch_batch
-from torch_ref.strategies import OPTIMIZERS, STRATEGIES, TWINS, StrategyError
+from jaxdp.names import OPTIMIZERS, SCHEDULES
+from torch_ref.strategies import STRATEGIES, TWINS, StrategyError
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -98,10 +99,7 @@ def _setup(cfg: TrainConfig, speed: Optional[dict] = None):
         raise TrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     check_choice("strategy", cfg.strategy, STRATEGIES)
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
-    if cfg.schedule != "constant":  # only the others need jaxdp.optim, and so jax, at all
-        from jaxdp.optim import SCHEDULES
-
-        check_choice("schedule", cfg.schedule, SCHEDULES)
+    check_choice("schedule", cfg.schedule, SCHEDULES)
     replicas, rows = data_layout(cfg)
     per_device = per_device_batch(cfg, replicas)
     _check_model(cfg, replicas)

@@ -15,13 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jaxdp import names
+
 # timm and torchvision use 1e-6 (nn.LayerNorm's default is 1e-5); jaxdp uses the same.
 LAYER_NORM_EPS = 1e-6
 
-CONFIGS = {
-    "vit-tiny": dict(dim=192, depth=12, heads=3, mlp_dim=768, patch=4),
-    "vit-small": dict(dim=384, depth=12, heads=6, mlp_dim=1536, patch=4),
-}
+CONFIGS = names.VIT.models  # each named ViT's size (the model table, jaxdp.names)
 
 
 class PatchEmbed(nn.Module):

@@ -38,15 +38,17 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     (depth, dim, heads, mlp_dim, patch)."""
     import jax
 
+    from jaxdp import names
     from jaxdp.runtime.mesh import make_mesh
-    from jaxdp.models import create_model, family
+    from jaxdp.models import create_model
     from jaxdp.strategies import options_of
 
     if batch_per_device < 1 or image_size < 1:
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
     if dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    sizes = dict(vit or {}, **({"image_size": image_size} if family(model) == "vit" else {}))
+    takes_image_size = "image_size" in names.family(model).options  # a ViT's position embeddings follow it
+    sizes = dict(vit or {}, **({"image_size": image_size} if takes_image_size else {}))
     net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype, **sizes)
     check_batchnorm_has_values(net, batch_per_device, image_size)
     options = dict(options or {}, **({"mesh_shape": mesh_shape} if "mesh_shape" in options_of(name) else {}))

@@ -148,7 +148,6 @@ def kept_grad_bytes(strategy, state, batch) -> int:
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.sharding import PartitionSpec as P
 
     seen = {}
     tx, sync = strategy.tx, getattr(strategy, "sync", None)
@@ -158,21 +157,14 @@ def kept_grad_bytes(strategy, state, batch) -> int:
         return tx.update(grads, opt_state, params, **extra_args)
 
     def probe(state, batch):
-        jax.tree_util.tree_leaves(step(state, batch))  # traced for its shapes only
+        jax.tree_util.tree_leaves(strategy.local_step(state, batch))  # traced for its shapes only
         return jnp.zeros(())
 
     strategy.tx = optax.GradientTransformation(tx.init, update)
     if sync is not None:
         strategy.sync = _SyncSpy(sync, seen)
     try:
-        if strategy.name == "dp":  # pmap hands each device its own state and batch
-            step = strategy._device_step
-            jax.eval_shape(jax.pmap(probe, axis_name=strategy.axis, devices=strategy.devices), state, batch)
-        else:
-            step = strategy.local_step
-            jax.eval_shape(jax.shard_map(probe, mesh=strategy.mesh, out_specs=P(), check_vma=strategy.check_vma,
-                                         in_specs=(strategy.state_specs(state), P(strategy.batch_axes))),
-                           state, batch)
+        strategy.engine.per_device_shapes(probe, state, batch)  # per device, as its engine runs the step
     finally:
         strategy.tx = tx
         if sync is not None:

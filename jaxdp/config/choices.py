@@ -1,22 +1,22 @@
 """The names a user picks from on the command line, importable without jax.
 
 The CLI must build its parser (and print ``--help``) before jax starts: ``--devices N``
-sets XLA's simulated-device count first. So the choices live here, as plain tuples; each
-is the same list as its source of truth (``jaxdp.models.MODELS``, ...), which
-tests/test_cli.py checks. ``STRATEGIES`` is read from the jax-free ``jaxdp.registry`` when asked.
+sets XLA's simulated-device count first. So the choices are read from the jax-free tables:
+``jaxdp.names`` (models, stems, dtypes, datasets, optimizers, schedules, the sync's options)
+and ``jaxdp.registry`` (``STRATEGIES``, read when asked).
 """
 
-from jaxdp import registry
+from jaxdp import names, registry
 
-MODELS = ("resnet18", "resnet34", "resnet50", "vit-tiny", "vit-small")
-STEMS = ("cifar", "imagenet")
-DTYPES = ("float32", "bfloat16", "float64")
-DATASETS = ("synthetic", "cifar10", "digits")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
-ALLREDUCES = ("psum", "ring")
-COMPRESSIONS = ("bf16", "fp16", "powersgd")
-REMATS = ("unit", "none")  # FSDP units (jaxdp.strategies.units): keep the input and recompute, or keep activations
+MODELS = names.MODELS
+STEMS = names.STEMS
+DTYPES = names.DTYPES
+DATASETS = names.DATASETS
+OPTIMIZERS = names.OPTIMIZERS
+SCHEDULES = names.SCHEDULES
+ALLREDUCES = names.ALLREDUCES
+COMPRESSIONS = names.COMPRESSIONS
+REMATS = names.REMATS
 
 
 def __getattr__(name):
@@ -25,7 +25,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def listing(names) -> str:
+def listing(values) -> str:
     """``{a,b,c}``: the names in --help, as argparse shows choices. (Not ``choices=``: the
     library checks names itself, with one-line errors, in the CLI and the Python API alike.)"""
-    return "{" + ",".join(names) + "}"
+    return "{" + ",".join(values) + "}"

@@ -18,7 +18,7 @@ before anything else).
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from jaxdp import registry
+from jaxdp import names, registry
 from jaxdp.config import choices
 from jaxdp.config.fields import declared, option
 
@@ -27,7 +27,7 @@ from jaxdp.config.fields import declared, option
 class StrategyOptions:
     """The strategy and its options: a section of ``jaxdp train``'s tree (``jaxdp.config.tree``),
     of parity's and of torch_ref's step. Each strategy takes those of the options below its
-    constructor names (``jaxdp.strategies.options_of``, ``torch_ref.strategies.STRATEGY_OPTIONS``);
+    constructor names (``jaxdp.strategies.options_of``, its torch twin's ``torch_ref.strategies.Twin.options``);
     the others must stay at their defaults."""
 
     strategy: str = option("ddp", "data-parallel strategy", numbers=False, choices=choices.STRATEGIES)
@@ -73,8 +73,8 @@ class ModelOptions:
     num_classes: int = 10
     dtype: str = "float32"  # bfloat16: bf16 compute, float32 params
 
-    RESNET_OPTIONS = ("width", "blocks", "stem")
-    VIT_OPTIONS = ("depth", "dim", "heads", "mlp_dim", "patch")
+    RESNET_OPTIONS = tuple(names.RESNET.options)
+    VIT_OPTIONS = names.VIT_SIZES
 
 
 @dataclass

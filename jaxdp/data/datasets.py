@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from .arrays import ArrayDataset, DatasetError
+from jaxdp.names import DATASETS  # the names (jaxdp.names); their loaders are here
 
-DATASETS = ("synthetic", "cifar10", "digits")
+from .arrays import ArrayDataset, DatasetError
 
 # Where `load_dataset("cifar10")` looks when no data_dir is given.
 DATA_DIR_ENV = "JAXDP_DATA_DIR"

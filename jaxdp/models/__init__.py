@@ -6,35 +6,26 @@ from typing import Optional, Sequence
 
 import jax.numpy as jnp
 
+from jaxdp import names
 from jaxdp.models import vit
 from jaxdp.models.batchnorm import BatchNorm
 from jaxdp.models.errors import ModelError
 from jaxdp.models.resnet import BasicBlock, Bottleneck, ResNet
 from jaxdp.models.vit import EncoderBlock, ViT
 
-ARCHITECTURES = {
-    "resnet18": (BasicBlock, (2, 2, 2, 2)),
-    "resnet34": (BasicBlock, (3, 4, 6, 3)),
-    "resnet50": (Bottleneck, (3, 4, 6, 3)),
-}
-VIT_ARCHITECTURES = vit.CONFIGS
-MODELS = tuple(ARCHITECTURES) + tuple(VIT_ARCHITECTURES)
-FAMILIES = {**{n: "resnet" for n in ARCHITECTURES}, **{n: "vit" for n in VIT_ARCHITECTURES}}
-STEMS = ("cifar", "imagenet")
+# The model table is jaxdp.names (jax-free, shared with torch_ref): here its rows as this framework builds them.
+BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
+ARCHITECTURES = {name: (BLOCKS[size["block"]], size["stages"]) for name, size in names.RESNET.models.items()}
+VIT_ARCHITECTURES = vit.CONFIGS  # names.VIT.models itself
+MODELS = names.MODELS
+FAMILIES = {name: f.name for f in names.FAMILIES for name in f.models}
+STEMS = names.STEMS
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
-
-# Each family's own options with their defaults. An option of the other family is
-# refused unless left at its default, so a caller may pass a full config (the
-# trainer's width/blocks/stem) whatever the model.
-_RESNET_OPTIONS = {"width": 64, "blocks": None, "stem": "cifar", "bn_axis_name": None}
-_VIT_OPTIONS = ("depth", "dim", "heads", "mlp_dim", "patch", "image_size")
 
 
 def family(name: str) -> str:
     """``"resnet"`` or ``"vit"`` for a model name from MODELS."""
-    if name not in FAMILIES:
-        raise ModelError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return FAMILIES[name]
+    return names.family(name).name
 
 
 def fsdp_units(model) -> tuple:
@@ -44,12 +35,6 @@ def fsdp_units(model) -> tuple:
     if units is None:
         raise ModelError(f"{type(model).__name__} declares no FSDP_UNITS in {type(model).__module__}")
     return units
-
-
-def _positive(option: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelError(f"{option} must be a positive integer, got {value!r}")
-    return value
 
 
 def create_model(
@@ -79,26 +64,8 @@ def create_model(
     """
     given = dict(width=width, blocks=blocks, stem=stem, bn_axis_name=bn_axis_name, depth=depth,
                  dim=dim, heads=heads, mlp_dim=mlp_dim, patch=patch, image_size=image_size)
-    if family(name) == "vit":
-        return _create_vit(name, given, num_classes, dtype)
-    for option in _VIT_OPTIONS:
-        if given[option] is not None:
-            raise ModelError(f"{option}={given[option]!r} does not apply to {name}; "
-                             f"ResNet options: width, blocks, stem")
-    if stem not in STEMS:
-        raise ModelError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
-    compute, param_dtype = _dtypes(dtype)
-    if width < 1:
-        raise ModelError(f"width must be positive, got {width}")
-    block, stage_sizes = ARCHITECTURES[name]
-    if blocks is not None:
-        if len(blocks) != 4 or min(blocks) < 1:
-            raise ModelError(f"blocks must be four positive counts, got {tuple(blocks)}")
-        stage_sizes = tuple(blocks)
-    return ResNet(
-        block=block, stage_sizes=tuple(stage_sizes), width=width, num_classes=num_classes,
-        stem=stem, dtype=compute, param_dtype=param_dtype, bn_axis_name=bn_axis_name,
-    )
+    build = _BUILDERS[names.check_options(name, given).name]
+    return build(name, given, num_classes, *_dtypes(dtype))
 
 
 def _dtypes(dtype: str):
@@ -108,19 +75,17 @@ def _dtypes(dtype: str):
     return DTYPES[dtype], (jnp.float64 if dtype == "float64" else jnp.float32)
 
 
-def _create_vit(name, given, num_classes, dtype) -> ViT:
-    for option, default in _RESNET_OPTIONS.items():
-        if given[option] != default:
-            raise ModelError(f"{option}={given[option]!r} does not apply to {name}; "
-                             f"ViT options: {', '.join(_VIT_OPTIONS)}")
-    compute, param_dtype = _dtypes(dtype)
-    config = {**VIT_ARCHITECTURES[name], "image_size": 32}
-    config.update({k: _positive(k, given[k]) for k in _VIT_OPTIONS if given[k] is not None})
-    if config["dim"] % config["heads"]:
-        raise ModelError(f"dim {config['dim']} must be divisible by heads {config['heads']}")
-    if config["image_size"] % config["patch"]:
-        raise ModelError(f"image_size {config['image_size']} must be divisible by patch {config['patch']}")
-    return ViT(num_classes=num_classes, dtype=compute, param_dtype=param_dtype, **config)
+def _create_resnet(name, given, num_classes, compute, param_dtype) -> ResNet:
+    block, stage_sizes = names.resnet_size(name, given["width"], given["blocks"], given["stem"])
+    return ResNet(block=BLOCKS[block], stage_sizes=stage_sizes, width=given["width"], num_classes=num_classes,
+                  stem=given["stem"], dtype=compute, param_dtype=param_dtype, bn_axis_name=given["bn_axis_name"])
+
+
+def _create_vit(name, given, num_classes, compute, param_dtype) -> ViT:
+    return ViT(num_classes=num_classes, dtype=compute, param_dtype=param_dtype, **names.vit_size(name, given))
+
+
+_BUILDERS = {names.RESNET.name: _create_resnet, names.VIT.name: _create_vit}  # each family of jaxdp.names
 
 
 __all__ = [

@@ -1,10 +1,9 @@
 """The error for a model option that does not exist, and the key listing of a state_dict
 that does not match: their own module, so the layers that raise them (``batchnorm``, the
-``torch_names`` grammars) and the package that builds models all import it, not each other."""
+``torch_names`` grammars) and the package that builds models all import it, not each other.
+(``ModelError`` itself is the model table's, ``jaxdp.names``: torch_ref raises it too.)"""
 
-
-class ModelError(ValueError):
-    """A model option the user chose does not exist."""
+from jaxdp.names import ModelError  # noqa: F401  (re-exported: the models' error)
 
 
 def key_listing(keys, limit: int = 12) -> str:

@@ -130,5 +130,3 @@ class DataParallel(Strategy):
         if self.return_grads:  # parity checks only: device 0's summed gradient
             out["grads"] = unravel(broadcast_from_first(total, axis, n))
         return new_state, out
-
-    _device_step = local_step  # the name analysis/state.py reads

@@ -128,6 +128,12 @@ class ShardMapEngine:
         self.strategy.learn_structure(batch)
         return self._step_program(state).lower(state, batch)
 
+    def per_device_shapes(self, fn, state: TrainState, batch):
+        """``fn(state, batch)``'s output shapes, ``fn`` traced per device as the step is (nothing runs)."""
+        s = self.strategy
+        return jax.eval_shape(jax.shard_map(fn, mesh=s.mesh, out_specs=P(), check_vma=s.check_vma,
+                                            in_specs=(s.state_specs(state), P(s.batch_axes))), state, batch)
+
     def compile_step(self, state: TrainState, batch):
         """The step compiled ahead of time for these arguments (for its memory and cost), and
         the program ``step`` runs from then on: jit would otherwise trace and compile it again

@@ -82,6 +82,10 @@ class PmapEngine:
     def lower_step(self, state, batch):
         return self.jit_step.lower(state, batch)
 
+    def per_device_shapes(self, fn, state, batch):
+        """As ``ShardMapEngine.per_device_shapes``: pmap hands each device its own state and batch."""
+        return jax.eval_shape(jax.pmap(fn, axis_name=self.strategy.axis, devices=self.devices), state, batch)
+
     def compile_step(self, state, batch):
         """As ``ShardMapEngine.compile_step``: compiled once, and run by ``step`` from then on."""
         self.compiled_step = self.lower_step(state, batch).compile()

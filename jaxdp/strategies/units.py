@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.config.choices import REMATS  # what a unit keeps from forward to backward (``fsdp_unit``): "unit" | "none"
+from jaxdp.names import REMATS  # what a unit keeps from forward to backward (``fsdp_unit``): "unit" | "none"
 
 Path = Tuple[str, ...]
 

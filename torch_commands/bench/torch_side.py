@@ -106,9 +106,9 @@ def torch_twin(name: str) -> Optional[str]:
 
 
 def twin_options(twin: str, options: dict) -> dict:
-    from torch_ref.strategies import STRATEGY_OPTIONS
+    from torch_ref.strategies import twin as twin_named
 
-    return {k: v for k, v in options.items() if k in STRATEGY_OPTIONS[twin]}
+    return {k: v for k, v in options.items() if k in twin_named(twin).options}
 
 
 def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndarray, timeout_s: float,
@@ -124,6 +124,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
 
     from torch_ref import launcher
     from torch_ref.dist import resolve_backend
+    from torch_ref.strategies import twin
 
     config = {"strategy": torch_twin(name), "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
               "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
@@ -133,7 +134,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
         config["mesh_shape"] = registry.mesh_shape(name, n)
     config.update(twin_options(config["strategy"], options or {}))
     world = n
-    if name == "dp":  # single process holding the whole batch (nn.DataParallel's CPU fallback)
+    if twin(config["strategy"]).one_process:  # one process holding the whole batch (nn.DataParallel's CPU fallback)
         world = 1
         images = images.reshape(1, -1, *images.shape[2:])
         labels = labels.reshape(1, -1)

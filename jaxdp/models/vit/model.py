@@ -11,6 +11,7 @@ the last bits, which float64 parity would see.
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxdp import names
 # The building blocks live in layers.py (LAYER_NORM_EPS stays importable from here).
 from jaxdp.models.vit.layers import (LAYER_NORM_EPS, Blocks, EncoderBlock, PatchEmbed, _Layers,  # noqa: F401
                                      pos_embed_init, with_tokens)
@@ -18,10 +19,7 @@ from jaxdp.models.vit.layers import (LAYER_NORM_EPS, Blocks, EncoderBlock, Patch
 from jaxdp.models.vit.parallel import attention_splits, summed_values, tp_plan  # noqa: F401
 from jaxdp.models.vit.pipeline import layers as pipeline_layers
 
-CONFIGS = {
-    "vit-tiny": dict(dim=192, depth=12, heads=3, mlp_dim=768, patch=4),
-    "vit-small": dict(dim=384, depth=12, heads=6, mlp_dim=1536, patch=4),
-}
+CONFIGS = names.VIT.models  # each named ViT's size (the model table, jaxdp.names)
 
 
 class ViT(_Layers):

@@ -18,11 +18,12 @@ Any strategy that all-reduces (DDP, async, ZeRO-1) composes it.
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxdp import names
 from jaxdp.strategies.sync import Where, buckets, low_precision, powersgd, ring
 from jaxdp.strategies.errors import StrategyError
 
 
-COMPRESSORS = (None, "bf16", "fp16", "powersgd")  # low_precision.py's two, powersgd.py
+COMPRESSORS = (None,) + names.COMPRESSIONS  # none; low_precision.py's two; powersgd.py
 
 
 class SyncError(StrategyError):

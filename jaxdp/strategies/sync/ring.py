@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp import names
+
 
 def _ring(axis):
     n = jax.lax.axis_size(axis)
@@ -88,7 +90,7 @@ def ring_all_reduce_many(tree, axis):
     return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves)])
 
 
-ALL_REDUCES = ("psum", "ring")
+ALL_REDUCES = names.ALLREDUCES  # what each name runs is below
 
 
 def all_reduce_fn(name: str):
