@@ -75,6 +75,9 @@ F64.update({f"{name}-n2-sgd": dict(strategy=name, devices=2, steps=SHORT, **SGD)
             for name in pairs.PAIRS if not any(case["strategy"] == name for case in F64.values())})
 
 
+DRIFT = {"powersgd": 1e-11}  # a long case's largest float64 error over its steps, where it is not 1e-12
+
+
 def config(dtype, **kw):
     return ParityConfig(dtype=dtype, **{**TINY, **kw})
 
@@ -107,8 +110,13 @@ def check_float64(name):
         # every weight by ~lr whatever its gradient, so an entry with a near-zero gradient
         # carries its rounding into the params at step 0: 1.2e-12 for zero3-n2-adam, the
         # same 1.2e-12 at step 19.)
+        # PowerSGD is the exception, measured: its rank-1 projection, recomputed every step from the
+        # warm-started Q and fed back through the error, grows the sides' rounding ~100x over 20
+        # steps (5.7e-15 at step 0 to 6.2e-13 at step 18 with XLA's default CPU passes, 1.05e-12
+        # under the suite's unoptimised ones, on an AMD EPYC; the worst tensor is always an early
+        # conv's gradient): one order below the bound instead of two, still a float64 rounding.
         per_step = [s.max_rel() for s in steps]
-        assert max(per_step) <= max(1e-12, 2 * per_step[0]), per_step
+        assert max(per_step) <= max(DRIFT.get(result.plan.cfg.compress, 1e-12), 2 * per_step[0]), per_step
 
 
 def f64_names(*prefixes):

@@ -48,20 +48,28 @@ def random_images(n, seed=0):
 # Package hygiene
 # --------------------------------------------------------------------------
 
+def _imports(path: Path) -> list:
+    """The absolute module names ``path`` imports (``from a.b import c``: ``a.b``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append(node.module)
+    return found
+
+
 def test_package_imports_only_numpy_and_stdlib():
     """Both frameworks import this package; it must not pull in either. (The digits source
-    reads scikit-learn's bundled data, inside its loader, behind the [digits] extra.)"""
-    pkg = Path(__file__).resolve().parents[1] / "jaxdp" / "data"
-    for path in pkg.glob("*.py"):
-        allowed = set(sys.stdlib_module_names) | {"numpy", "__future__"} | ({"sklearn"} if path.name == "digits.py" else set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                roots = [a.name.split(".")[0] for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                roots = [node.module.split(".")[0]]
-            else:
-                continue
-            assert set(roots) <= allowed, f"{path.name} imports {roots}"
+    reads scikit-learn's bundled data, inside its loader, behind the [digits] extra; the dataset
+    names come from jaxdp.names, the name table, which imports the standard library alone.)"""
+    root = Path(__file__).resolve().parents[1] / "jaxdp"
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    assert {m.split(".")[0] for m in _imports(root / "names.py")} <= stdlib
+    for path in (root / "data").glob("*.py"):
+        allowed = stdlib | {"numpy"} | ({"sklearn"} if path.name == "digits.py" else set())
+        for module in _imports(path):
+            assert module == "jaxdp.names" or module.split(".")[0] in allowed, f"{path.name} imports {module}"
 
 
 # --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ CPU only: the flags and torch's cuDNN switches are what a GPU would read; whethe
 the two sides agree on a GPU is ``make gpu-check``'s question.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -93,7 +94,8 @@ def test_only_parity_enables_parity_mode(clean_env, monkeypatch):
             return value
         return f
 
-    monkeypatch.setattr(cli, "cmd_train", capture("train"))
+    # the command as the one registry holds it (jaxdp.cli.command.BUILT_IN), its run replaced
+    monkeypatch.setitem(cli.BUILT_IN, "train", dataclasses.replace(cli.TRAIN, run=capture("train")))
     assert cli.main(["train", "--devices", "2"]) == 0
     monkeypatch.setattr(bench_command, "run_bench", capture("bench", {}))
     monkeypatch.setattr(bench_command, "write", lambda result, args: None)
