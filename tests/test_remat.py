@@ -37,8 +37,8 @@ def test_keeping_activations_trains_as_ddp(name, opt, options):
 
 def compiled_step(name, model, n=2, per_device=1, **options):
     s = make(name, model, OPTIMIZERS["sgd"](), n, **options)
-    state = s.init_state(init(model))
-    return s.lower_step(state, s.shard_batch(as_batch(*random_batch(per_device * n)))).compile()
+    state = s.engine.init_state(init(model))
+    return s.engine.lower_step(state, s.engine.shard_batch(as_batch(*random_batch(per_device * n)))).compile()
 
 
 def op_results(hlo: str, op: str) -> Counter:

@@ -252,7 +252,7 @@ def strategy_formulas(strategy) -> dict:
     root_pad = padded_count(root, shards) if root is not None else None
     per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
     k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
-    formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
+    formula = formula_bytes(strategy.facts.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
     names = strategy.mesh.axis_names
     mesh_shape = (strategy.mesh.shape[REPLICA_AXIS], strategy.mesh.shape[DATA_AXIS]) if REPLICA_AXIS in names else None
     return {"mesh_shape": mesh_shape, "psi": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(strategy.shapes))),

@@ -79,17 +79,17 @@ class Trainer:
         draws what the CLI's ``--seed s`` draws."""
         self._check(example_batch)
         self.strategy.use_rng(rng)
-        return self.strategy.init(rng, example_batch)
+        return self.strategy.engine.init(rng, example_batch)
 
     def step(self, state, batch):
         """One optimizer update on a global batch; returns (state, metrics). The state is donated."""
-        return self.strategy.step(state, self._placed(batch, self.strategy.accum_steps))
+        return self.strategy.engine.step(state, self._placed(batch, self.strategy.accum_steps))
 
     def evaluate(self, state, batch):
         """``eval_fn``'s sums over the global batch (a ``{"mask"}`` leaf drops padding rows for classifiers)."""
         if getattr(self.strategy.eval_task, "eval_fn", None) is None:
             raise ValueError("this Trainer has no eval_fn: pass eval_fn=... to evaluate")
-        return self.strategy.evaluate(state, self._placed(batch))
+        return self.strategy.engine.evaluate(state, self._placed(batch))
 
     def save(self, path: str, state, *, record: Optional[dict] = None, keep: int = saving.DEFAULT_KEEP) -> int:
         """Write ``state`` to the checkpoint directory ``path`` (orbax, the layout ``jaxdp train``
@@ -111,7 +111,7 @@ class Trainer:
 
     def canonical(self, state):
         """The full params and optimizer state (DDP's layout), e.g. to export or compare."""
-        return self.strategy.canonical(state)
+        return self.strategy.engine.canonical(state)
 
     def _check(self, example_batch):
         """One-line errors for a bad batch or loss_fn, before anything compiles (``jaxdp.api.validate``)."""
@@ -125,7 +125,7 @@ class Trainer:
                           for x in leaves):
             return batch  # already on the mesh
         validate.batch_splits(validate.batch_rows(batch), self.strategy.num_devices, accum_steps)
-        return self.strategy.shard_batch(batch)
+        return self.strategy.engine.shard_batch(batch)
 
 
 def classifier(model):

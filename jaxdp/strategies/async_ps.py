@@ -82,25 +82,12 @@ class AsyncPS(Strategy):
         self.staleness_seed = staleness_seed
 
     def init_extra(self, params):
+        """The history: every slot starts as theta_0, the params the state starts from (what
+        max(0, t - d) reads before k updates exist)."""
         if self.staleness == 0:
             return None
         return {"history": jax.tree_util.tree_map(
-            lambda x: jnp.broadcast_to(jnp.zeros(x.shape, x.dtype), (self.staleness,) + tuple(x.shape)), params)}
-
-    def from_canonical(self, state):
-        # Every history slot starts as theta_0 (what max(0, t - d) reads before k updates exist).
-        if self.staleness and state.extra is None:
-            state = state.replace(extra={"history": jax.tree_util.tree_map(
-                lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), state.params)})
-        return super().from_canonical(state)
-
-    def init(self, rng, example_batch):
-        state = super().init(rng, example_batch)
-        if self.staleness == 0:
-            return state
-        history = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), p),
-                          out_shardings=self.state_shardings(state).extra["history"])(state.params)
-        return state.replace(extra={"history": history})
+            lambda x: jnp.broadcast_to(x, (self.staleness,) + tuple(x.shape)), params)}
 
     # -- per device (one worker) ----------------------------------------------------------------
     def worker_delay(self, step):

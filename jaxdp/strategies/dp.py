@@ -94,10 +94,6 @@ class DataParallel(Strategy):
         if jax.process_count() > 1:
             raise StrategyError("dp is single-process (one controller, like nn.DataParallel); use ddp")
 
-    @property
-    def devices(self):
-        return self.engine.devices
-
     def local_step(self, state, batch):
         """One device's step under pmap: its chunk's gradient gathered to device 0, summed and applied
         there, the params and model state broadcast back from device 0."""

@@ -29,8 +29,10 @@ class StrategyHooks(Protocol):
         """This device's sums of ``eval_fn`` (the engine sums them over the batch axes)."""
 
     # -- the strategy's own state ---------------------------------------------------------------
-    def init_extra(self, shapes) -> Any:
-        """``state.extra`` for params of these shapes (PowerSGD's error and Qs, async's history), or None."""
+    def init_extra(self, params) -> Any:
+        """``state.extra`` for these params, in the state's layout (PowerSGD's error and Qs, async's history
+        seeded from them), or None. ``params`` are arrays, or their shapes where no values exist
+        (``jax.eval_shape``: a restore's target; a pipeline's stacked params)."""
 
     def extra_specs(self, extra) -> Any:
         """Where ``extra`` lives: a PartitionSpec per leaf, or one spec for a whole subtree."""

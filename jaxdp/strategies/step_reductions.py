@@ -58,7 +58,7 @@ class StepReductions:
         if not self._optimizer_sees_parts or self.__dict__.get("_tx_checked"):
             return
         conversions.need_shapes(self)
-        layout_name = self.name if self.sharded_opt_state else f"{self.name} with a model or stage axis"
+        layout_name = self.facts.name if self.sharded_opt_state else f"{self.facts.name} with a model or stage axis"
 
         def placeholder(tree):  # stands for the sharded reduction, without tracing one
             self._check_whole_tree(tree)

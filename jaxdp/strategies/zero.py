@@ -46,8 +46,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxdp import registry
-from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, MeshError, axis_size, replica_split
+from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, MeshDims, MeshError
 from jaxdp.strategies import layout
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
@@ -122,7 +121,7 @@ class ZeRO(Strategy):
                  allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
                  hsdp: bool = False, **kwargs):
         # Replicate x shard is a degree of the mesh: ZeRO-3 on a mesh with replica > 1 is HSDP.
-        hsdp = hsdp or (stage == 3 and axis_size(mesh, REPLICA_AXIS) > 1)
+        hsdp = hsdp or (stage == 3 and MeshDims.of(mesh).size(REPLICA_AXIS) > 1)
         self.stage, self.hsdp = stage, hsdp
         self.facts = facts_for(stage, hsdp)
         if remat not in REMATS:
@@ -246,8 +245,8 @@ class ZeRO(Strategy):
 
 def default_hsdp_shape(devices) -> tuple:
     """(replicas, shards) for these devices when the user names none: one shard group per host
-    (``jaxdp.registry.default_mesh``, the one definition torch_ref, bench and gpu-check read too)."""
-    return registry.default_mesh(len(devices), len({d.process_index for d in devices}))
+    (``MeshDims.hsdp_default``, the one definition torch_ref, bench and gpu-check read too)."""
+    return MeshDims.hsdp_default(len(devices), len({d.process_index for d in devices}))
 
 
 def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
@@ -261,10 +260,9 @@ def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
     devices = np.asarray(mesh.devices).reshape(-1, *[mesh.shape[a] for a in beside])  # (replica x data, ...)
     hosts = [int(d.process_index) for d in devices.reshape(devices.shape[0], -1)[:, 0]]
     devices = devices[np.argsort(hosts, kind="stable")]
-    n = devices.shape[0]
-    wanted = mesh_shape or default_hsdp_shape(list(devices.reshape(n, -1)[:, 0]))
+    wanted = mesh_shape or default_hsdp_shape(list(devices.reshape(devices.shape[0], -1)[:, 0]))
     try:
-        mesh_shape = replica_split(wanted, n, f"hsdp mesh_shape {','.join(map(str, wanted))}")
+        dims = MeshDims.of(mesh).with_replicas(wanted, f"hsdp mesh_shape {','.join(map(str, wanted))}")
     except MeshError as e:
         raise StrategyError(str(e)) from None
-    return Mesh(devices.reshape(*mesh_shape, *devices.shape[1:]), (REPLICA_AXIS, DATA_AXIS) + beside)
+    return Mesh(devices.reshape(dims.replica, dims.data, *devices.shape[1:]), (REPLICA_AXIS, DATA_AXIS) + beside)
