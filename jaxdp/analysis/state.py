@@ -188,7 +188,7 @@ def extra_formula(strategy, params, p: int) -> int:
         shapes = {leaf_name(path): x.shape for path, x in jax.tree_util.tree_leaves_with_path(params)}
         q = sum(matrix_shape(shapes[name])[1] * r for name, r in powersgd.plan(params).items())
         return p * (psi * powersgd.use_error_feedback + q * powersgd.warm_start)
-    return p * psi * getattr(strategy, "staleness", 0)
+    return p * psi * strategy.options.staleness
 
 
 def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int, extra: int = 0) -> dict:

@@ -18,13 +18,13 @@ from jaxdp.config.tree import (TrainConfig, TrainError, batchnorm_batch_error, c
                           total_steps)
 from jaxdp.data import load_dataset
 from jaxdp.runtime.distributed import join_job
-from jaxdp.config.flags import flag_name
 from jaxdp.runtime.mesh import STAGE_AXIS, MeshDims, make_mesh
 from jaxdp.models import ModelError, create_model, fsdp_units
 from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
 from jaxdp.run.perf import enable_compile_cache
 from jaxdp.runtime.startup import preset_device_count
-from jaxdp.strategies import StrategyError, options_of
+from jaxdp.strategies import facts
+from jaxdp.strategies.options import checked
 from jaxdp.api.trainer import StrategySpec, Trainer, classifier
 
 IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10, the synthetic set and digits (padded)
@@ -55,8 +55,8 @@ def build(cfg: TrainConfig) -> Setup:
     check_choice("strategy", cfg.strategy, registry.names())  # now: a strategy registered late too
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     check_choice("schedule", cfg.schedule, SCHEDULES)
-    options = strategy_options(cfg)
-    mesh = _make_mesh(cfg.devices, cfg.mesh, options.pop("mesh_shape", None))
+    checked(facts(cfg.strategy), cfg, {})  # its options, refused before anything is built (strategies.options)
+    mesh = _make_mesh(cfg.devices, cfg.mesh, cfg.mesh_shape)
     n = MeshDims.of(mesh).data_parallel
     per_device = per_device_batch(cfg, n)
     pipeline = _pipeline_options(cfg, mesh, per_device)
@@ -67,11 +67,12 @@ def build(cfg: TrainConfig) -> Setup:
     schedule = make_schedule(cfg.schedule, cfg.lr, total, **cfg.schedule_options(steps))
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
-    if "units" in options_of(cfg.strategy) and not pipeline:  # a stage's vector is its one unit
-        options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
-    spec = StrategySpec(cfg.strategy, dict(accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, seed=cfg.seed,
-                                           log_grad_norm=True, **options, **pipeline))
-    trainer = Trainer(model, classifier(model), tx, spec, mesh)
+    wiring = dict(seed=cfg.seed, log_grad_norm=True, **pipeline)
+    if "units" in facts(cfg.strategy).takes and not pipeline:  # a stage's vector is its one unit
+        wiring["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
+    # The parsed config is the strategy's typed options (TrainConfig is a StrategyOptions): it goes
+    # as it is, through the Trainer, to the strategy's class (docs/architecture.md, "an option's way").
+    trainer = Trainer(model, classifier(model), tx, StrategySpec(cfg.strategy, wiring, config=cfg), mesh)
     return Setup(trainer, schedule, train_set, test_set, per_device, steps, total)
 
 
@@ -119,24 +120,6 @@ def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:
                        jax.ShapeDtypeStruct((micro_batch, *IMAGE_SHAPE), model.dtype))
     except ModelError as e:
         raise batchnorm_batch_error(cfg, devices, e) from None
-
-
-def strategy_options(cfg: TrainConfig) -> dict:
-    """The options ``cfg.strategy`` takes; a changed option it does not take is an error."""
-    if cfg.strategy not in registry.names():
-        return {}  # create_strategy names the valid choices
-    accepted = options_of(cfg.strategy)
-    defaults = TrainConfig()
-    options = {}
-    for name in TrainConfig.STRATEGY_OPTIONS:
-        value = getattr(cfg, name)
-        if name == "powersgd_start_iter" and "powersgd_options" in accepted:
-            options["powersgd_options"] = {"start_iter": value}  # PowerSGD's own name for it
-        elif name in accepted:
-            options[name] = value
-        elif value != getattr(defaults, name):
-            raise StrategyError(f"{flag_name(name)} does not apply to strategy {cfg.strategy!r}")
-    return options
 
 
 def example_batch(model, image_shape=IMAGE_SHAPE) -> dict:

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxdp.runtime import compile_options
 from jaxdp.runtime.mesh import DATA_AXIS, MeshDims, MeshError
 from jaxdp.parallel import pipeline, protocol, staged, tensor
+from jaxdp.config.step import StrategyOptions
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.sync import Where
@@ -32,6 +33,7 @@ from jaxdp.strategies.device_math import (broadcast_from, ddp_buffers, local_gra
 from jaxdp.strategies.engine import ShardMapEngine
 from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.factsheet import Facts
+from jaxdp.strategies.options import checked
 from jaxdp.strategies.placement import Placement
 from jaxdp.strategies.step_reductions import StepReductions
 
@@ -63,6 +65,9 @@ class Strategy(StepReductions):
     def learn_units(self, init, batch):
         return jax.eval_shape(init, batch)
 
+    def mesh_for(self, mesh):
+        return mesh
+
     @classmethod
     def facts_for(cls, **fixed) -> Facts:
         """The facts under the options a registry name fixes (a class serving several names overrides this)."""
@@ -86,11 +91,15 @@ class Strategy(StepReductions):
         return place.tree(lambda path, s: jax.ShapeDtypeStruct(place.local_shape(path, s.shape), s.dtype),
                           self.shapes, "params")
 
-    def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
-                 axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0, tp_plan=None,
-                 log_grad_norm: bool = False, microbatches: Optional[int] = None, compiler_options=None):
-        if accum_steps < 1:
-            raise StrategyError(f"accum_steps must be >= 1, got {accum_steps}")
+    def __init__(self, model, task, tx, mesh, options: Optional[StrategyOptions] = None, *, axis: str = DATA_AXIS,
+                 return_grads: bool = False, seed: int = 0, tp_plan=None, log_grad_norm: bool = False,
+                 microbatches: Optional[int] = None, compiler_options=None, **option_keywords):
+        """``options``: the config tree's typed strategy options (``jaxdp train``'s parsed config
+        itself), None for the defaults; ``option_keywords``: options as keywords (``remat="none"``,
+        a registry name's fixed ones). Both are checked once, here (``options.checked``), and kept
+        as ``self.options``; the other keywords are what a program wires in."""
+        self.options = checked(self.facts, options, option_keywords)
+        mesh = self.mesh_for(mesh)
         if axis not in mesh.axis_names:
             raise StrategyError(f"mesh has axes {mesh.axis_names}, strategy {self.facts.name} needs {axis!r}")
         self.mesh = mesh
@@ -98,8 +107,6 @@ class Strategy(StepReductions):
         self.num_devices = int(np.prod([mesh.shape[a] for a in as_tuple(self.batch_axes)]))
         self.shards = mesh.shape[axis]  # how many ways sharded state is cut (HSDP: the shard group)
         self.tx = tx
-        self.accum_steps = accum_steps
-        self.sync_bn = sync_bn
         self.seed = seed
         self.return_grads = return_grads  # parity checks compare the averaged gradients too (costs memory)
         self.log_grad_norm = log_grad_norm  # the trainer logs it; off by default (one more collective)
@@ -126,6 +133,7 @@ class Strategy(StepReductions):
         self.init_model = _with_bn_axis(model, None)  # model.init runs outside shard_map: no axes
         if self.pp is not None:
             self.init_model = pipeline.StackedInit(self.init_model, self.pp)
+        sync_bn = self.options.sync_bn
         if sync_bn and not hasattr(model, "bn_axis_name"):
             raise StrategyError("sync_bn needs a model whose BatchNorm takes its reduction axes as `bn_axis_name`")
         self.model = self._in_mesh(_with_bn_axis(model, self.batch_axes if sync_bn else None))

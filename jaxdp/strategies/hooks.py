@@ -14,7 +14,7 @@ from jaxdp.strategies.state import TrainState
 
 class StrategyHooks(Protocol):
     # -- data -----------------------------------------------------------------------------------
-    facts: Any  # ``factsheet.Facts``: name, torch twin, which of params/grads/opt are sharded, traffic
+    facts: Any  # ``factsheet.Facts``: name, torch twin, the options it takes, what it shards, traffic
     batch_axes: Union[str, Tuple[str, ...]]  # mesh axes the batch is split over (HSDP: replica and data)
     model_parallel: bool  # runs beside a model or stage axis (dp and async do not)
     check_vma: bool  # trace the step with JAX's varying/invariant types (a ring all-reduce turns them off)
@@ -39,3 +39,8 @@ class StrategyHooks(Protocol):
 
     def learn_units(self, init, batch) -> Any:
         """The variables' shapes from ``init(batch)`` under ``eval_shape``; ZeRO-3 also records its FSDP units."""
+
+    # -- where it runs ----------------------------------------------------------------------------
+    def mesh_for(self, mesh) -> Any:
+        """The mesh it runs on, given the caller's, once its options are checked (``self.options``):
+        HSDP splits the data-parallel devices into replica x shard (``runtime.mesh.MeshDims``)."""

@@ -44,6 +44,15 @@ class AllReduce:
             raise SyncError(str(e)) from None
         self.allreduce, self.compress = allreduce, compress
 
+    @classmethod
+    def of(cls, options, powersgd_options=None) -> "AllReduce":
+        """DDP's all-reduce as a strategy's typed options say (``jaxdp.config.step.StrategyOptions``);
+        ``powersgd_options``: PowerSGD's other settings (parity's shared initial Q), over the options'
+        ``powersgd_start_iter`` (read only with ``compress="powersgd"``)."""
+        return cls(bucket_cap_mb=options.bucket_cap_mb, allreduce=options.allreduce, compress=options.compress,
+                   powersgd_rank=options.powersgd_rank,
+                   powersgd_options={"start_iter": options.powersgd_start_iter, **(powersgd_options or {})})
+
     @property
     def stateful(self) -> bool:
         return self.powersgd is not None
