@@ -4,7 +4,9 @@ A strategy writes what one device does (its hooks, ``hooks.StrategyHooks``); the
 rest: ``jit(shard_map(...))`` with the state's specs and the batch split over ``batch_axes``,
 donation of the state's buffers, the init programs (each device creating only its own shards),
 evaluation, lowering for inspection, and running one program at a time where the platform needs it.
-``DataParallel`` runs on its own engine (``pmap_engine.py``) with the same methods.
+It is what callers run (``strategy.engine.init``, ``.step``, ``.canonical``, ``.stored``, ...): the
+strategy itself holds no forward to it. ``DataParallel`` runs on its own engine (``pmap_engine.py``)
+with the same methods.
 """
 
 import functools
@@ -42,9 +44,6 @@ class Engine:
         checkpoint restore fills, building nothing (``conversions.stored_target`` of ``abstract_state``)."""
         s = self.strategy
         return conversions.stored_target(s, conversions.abstract_state(s, example_batch))
-
-    def from_canonical(self, state: TrainState) -> TrainState:
-        raise NotImplementedError
 
 
 class ShardMapEngine(Engine):

@@ -15,9 +15,6 @@ A transform as the package's others (``jaxdp.strategies.sync``); its state is Po
 Any strategy that all-reduces (DDP, async, ZeRO-1) composes it.
 """
 
-import jax
-from jax.sharding import PartitionSpec as P
-
 from jaxdp import names
 from jaxdp.strategies.sync import Where, buckets, low_precision, powersgd, ring
 from jaxdp.strategies.errors import StrategyError
@@ -105,7 +102,3 @@ def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
         raise StrategyError("allreduce='ring' does not combine with a model axis (tensor parallelism); use psum")
     if compress == "powersgd":
         raise StrategyError("compress='powersgd' does not combine with a model axis (tensor parallelism) yet")
-
-
-def replicated_specs(tree):
-    return jax.tree_util.tree_map(lambda _: P(), tree)
