@@ -40,16 +40,16 @@ def main():
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(BATCH, 10)).astype(np.float32),
              "label": rng.integers(0, 5, BATCH).astype(np.int32)}
-    state = ddp.init(jax.random.key(0), batch)
+    state = ddp.engine.init(jax.random.key(0), batch)
     stacked = state.params["stages"]  # (stages, longest stage's param count), cut over "stage"
     print(f"mesh {dict(mesh.shape)}; each device holds {stacked.sharding.shard_shape(stacked.shape)} of the "
           f"stacked params {stacked.shape}: its stage's params only")
-    placed = ddp.shard_batch(batch)  # 10 rows per data rank, the same rows on both of its stages
+    placed = ddp.engine.shard_batch(batch)  # 10 rows per data rank, the same rows on both of its stages
     for step in range(STEPS):
-        state, metrics = ddp.step(state, placed)
+        state, metrics = ddp.engine.step(state, placed)
         if step % 10 == 0 or step == STEPS - 1:
             print(f"step {step:2d}  loss {float(metrics['loss']):.4f}")
-    params = ddp.canonical(state).params  # the model's own tree again: net1 and net2, as on one device
+    params = ddp.engine.canonical(state).params  # the model's own tree again: net1 and net2, as on one device
     print("net1 kernel", params["net1"]["kernel"].shape, "net2 kernel", params["net2"]["kernel"].shape)
 
 

@@ -42,7 +42,7 @@ def main():
     #    device sees 1/4 of the batch; gradients are averaged as psum(g / N).
     mesh = make_mesh(DEVICES)
     ddp = create_strategy("ddp", model, classifier(model), tx, mesh)
-    state = ddp.init(jax.random.key(0), example_batch(model))  # BN running stats: state.model_state
+    state = ddp.engine.init(jax.random.key(0), example_batch(model))  # BN running stats: state.model_state
     print(f"mesh {dict(mesh.shape)}; params live on {len(state.params['fc']['kernel'].devices())} devices")
 
     # 4. Train: batches arrive as (replicas, per-replica batch, H, W, C); row r goes to device r.
@@ -52,7 +52,7 @@ def main():
                                    epoch=epoch, seed=0):
             images = batch.images.reshape(-1, *batch.images.shape[2:])
             labels = batch.labels.reshape(-1)
-            state, metrics = ddp.step(state, ddp.shard_batch({"image": images, "label": labels}))
+            state, metrics = ddp.engine.step(state, ddp.engine.shard_batch({"image": images, "label": labels}))
             step += 1
             if step % 10 == 0:
                 per_device = ", ".join(f"{x:.3f}" for x in jax.device_get(metrics["loss_per_device"]))

@@ -22,8 +22,8 @@ A row (``Row``):
   ``"module:attr"``, a ``Twin`` in a module of its own (``torch_ref.strategies.twin`` resolves it,
   in every torch rank too); a row with one is paired by ``jaxdp parity``; None: no twin.
   ``twin_without_gpus``: the twin used when there are fewer CUDA GPUs than devices (dp: DDP).
-- ``replicas``: whether its mesh has a replica axis (replicate x shard, as torchtitan's
-  ``ParallelDims``). Without one its degrees on N devices are (1, N); with one, ``default_mesh``'s.
+- ``replicas``: whether its mesh has a replica axis (replicate x shard). Without one its degrees on
+  N devices are (1, N); with one, the mesh object's default (``jaxdp.runtime.mesh.MeshDims.hsdp_default``).
 - ``planned``: ``jaxdp plan`` weighs it (dp is a single-controller pmap, not a mesh candidate).
 - ``gpu_checked``: gpu-check pairs it (async's pair at staleness 0 is ddp's).
 
@@ -34,6 +34,8 @@ import contextlib
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
+
+from jaxdp.runtime.mesh import MeshDims  # jax-free: the degrees of a mesh
 
 # DDP's gradient bucket cap in MiB, the one default of the CLI, the library and torch_ref.
 # None is torch DDP's own default: a 1 MiB first bucket, then 25 MiB (jaxdp.strategies.sync.buckets).
@@ -56,10 +58,6 @@ class Row:
             return self.engine
         module, _, name = self.engine.partition(":")
         return getattr(importlib.import_module(module), name)
-
-    def mesh(self, n: int, hosts: int = 1) -> Tuple[int, int]:
-        """Its default (replicas, shards) on ``n`` data-parallel devices over ``hosts`` hosts."""
-        return default_mesh(n, hosts) if self.replicas else (1, n)
 
 
 _ZERO = "jaxdp.strategies.zero:ZeRO"
@@ -102,21 +100,10 @@ def names(**wanted) -> Tuple[str, ...]:
     return tuple(n for n, r in _ROWS.items() if all(getattr(r, k) == v for k, v in wanted.items()))
 
 
-def default_mesh(n: int, hosts: int = 1) -> Tuple[int, int]:
-    """(replicas, shards) of a replicated strategy (hsdp) when the user names none: shard within a
-    host and replicate across hosts, so the frequent reduce-scatters and gathers stay on a host's
-    fast links (torch's HSDP recipe: one shard group per node). On one host (2, N/2), so that HSDP
-    differs from ZeRO-3 (odd N: (1, N)); N = 2 gives (2, 1)."""
-    if hosts > 1:
-        return hosts, n // hosts
-    return (2, n // 2) if n % 2 == 0 and n >= 2 else (1, n)
-
-
 def mesh_shape(name: str, n: int) -> Optional[Tuple[int, int]]:
     """The (replicas, shards) both frameworks run ``name`` on at ``n`` devices on one host; None
     for a strategy without a replica axis (its mesh is the 1-D data axis)."""
-    r = row(name)
-    return r.mesh(n) if r.replicas else None
+    return MeshDims.hsdp_default(n) if row(name).replicas else None
 
 
 for _row in (

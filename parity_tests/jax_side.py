@@ -73,14 +73,14 @@ def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
     # bfloat16 is mixed precision: float32 params (the master weights), bf16 compute.
     variables = variables_from_state_dict(state_dict, dtype="float32" if p.cfg.dtype == "bfloat16" else p.cfg.dtype)
     strategy = jax_strategy(p)
-    state = strategy.init_state(variables)
+    state = strategy.engine.init_state(variables)
     records = []
     for images, labels in batches:
         flat_images = images.reshape(-1, *images.shape[2:])
-        batch = strategy.shard_batch({"image": flat_images, "label": labels.reshape(-1)})
-        state, metrics = strategy.step(state, batch)
+        batch = strategy.engine.shard_batch({"image": flat_images, "label": labels.reshape(-1)})
+        state, metrics = strategy.engine.step(state, batch)
         metrics = jax.device_get(metrics)
-        canon = jax.device_get(strategy.canonical(state))
+        canon = jax.device_get(strategy.engine.canonical(state))
         opt = torch_optimizer_state(p.cfg.optimizer, canon.opt_state)
         opt_named: Dict[str, Dict[str, np.ndarray]] = {}
         for key, tree in opt.items():

@@ -150,7 +150,7 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
 
     from jaxdp.interop import tree_to_torch_names
     from jaxdp.runtime.mesh import make_mesh
-    from jaxdp.strategies import create_strategy, options_of
+    from jaxdp.strategies import conversions, create_strategy, options_of
     from jaxdp.loss.task import classifier
 
     axes = mesh_axes or {"data": cfg.data, "model": cfg.model}
@@ -160,15 +160,15 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
         options = {**({"units": units} if "units" in options_of(name) else {}), **(options or {})}
         strategy = create_strategy(name, model, classifier(model), jax_optimizer(cfg), make_mesh(**axes),
                                    return_grads=True, **options)
-        state = strategy.init_state(_variables(cfg, model, state_dict))
+        state = strategy.engine.init_state(_variables(cfg, model, state_dict))
         records = []
         for images, labels in batches:
             batch = {"image": images.reshape(-1, *images.shape[2:]), "label": labels.reshape(-1).astype(np.int32)}
-            state, metrics = strategy.step(state, strategy.shard_batch(batch))
+            state, metrics = strategy.engine.step(state, strategy.engine.shard_batch(batch))
             metrics = jax.device_get(metrics)
-            canon = jax.device_get(strategy.canonical(state))
+            canon = jax.device_get(strategy.engine.canonical(state))
             records.append({"loss": float(metrics["loss"]),
-                            "grads": tree_to_torch_names(strategy.canonical_grads(metrics["grads"])),
+                            "grads": tree_to_torch_names(conversions.canonical_grads(strategy, metrics["grads"])),
                             "params": tree_to_torch_names(canon.params)})
             if canon.model_state.get("batch_stats"):
                 records[-1]["buffers"] = tree_to_torch_names(canon.model_state["batch_stats"], "batch_stats")

@@ -2,8 +2,8 @@
 
 ``pair_for`` builds each row from the strategy's registry row (``jaxdp.registry``: its torch twin)
 and facts (``jaxdp.strategies.facts``); a registered strategy with a torch twin is paired (if it
-has options of its own, their names go to ``PAIR_OPTIONS``, which
-``jaxdp.config.step.StrategyOptions`` declares).
+has options of its own, their fields in ``jaxdp.config.step.StrategyOptions`` say how they pair:
+``PAIR_OPTIONS`` and ``JAX_ONLY_OPTIONS`` are read from them).
 
 ==========================  ==============================================  ======  =================================
 jaxdp                       torch_ref (PyTorch)                             ranks   notes
@@ -42,16 +42,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 from jaxdp import registry
+from jaxdp.config.step import StrategyOptions, options_where
 from parity_tests.config import ParityConfig
 
-# The strategy options a pair may set: the same names on both sides (StrategyOptions). A pair
-# takes those its jaxdp constructor (``options_of``) and its twin (``Twin.options``) both
-# take; any other must stay at its default. ``powersgd_start_iter`` rides with ``--compress powersgd``.
-PAIR_OPTIONS = ("bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape", "remat")
-# How jaxdp sums (gloo and nccl pick their own algorithm), async's bound and what ZeRO-3 keeps for
-# backward (FSDP2 keeps the activations; recomputing them changes no number): the torch twin has
-# no such knob, so any value a pair accepts runs against the same twin.
-JAX_ONLY_OPTIONS = ("allreduce", "staleness", "remat")
+# The strategy options a pair may set: the same names on both sides, as their fields in
+# ``StrategyOptions`` say (``parity=``). A pair takes those its jaxdp strategy (``options_of``) and its
+# twin (``Twin.options``) both take; any other must stay at its default. ``powersgd_start_iter``
+# rides with ``--compress powersgd``. The jax-only ones (how jaxdp sums, async's bound, what ZeRO-3
+# keeps for backward) have no torch knob: any value a pair accepts runs against the same twin.
+JAX_ONLY_OPTIONS = options_where(parity="jax-only")
+PAIR_OPTIONS = tuple(n for n in StrategyOptions.STRATEGY_OPTIONS if n not in options_where(parity=None))
 
 
 @dataclass(frozen=True)

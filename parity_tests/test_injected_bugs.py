@@ -187,15 +187,15 @@ def test_every_pair_runs_a_site_of_every_bug_it_makes_in_its_own_code():
     for name in PAIRS:
         cfg = ParityConfig(dtype="float32", strategy=name, devices=2, **TINY)
         strategy = jax_strategy(plan(cfg))
-        state = strategy.init_state(variables_from_state_dict(init_state_dict(cfg), dtype="float32"))
-        batch = strategy.shard_batch({"image": rng.normal(size=(16, 16, 16, 3)).astype(np.float32),
+        state = strategy.engine.init_state(variables_from_state_dict(init_state_dict(cfg), dtype="float32"))
+        batch = strategy.engine.shard_batch({"image": rng.normal(size=(16, 16, 16, 3)).astype(np.float32),
                                       "label": rng.integers(0, 10, 16)})
         calls = dict.fromkeys(OWN_CODE, 0)
         with contextlib.ExitStack() as stack:
             for bug in OWN_CODE:
                 for patch in BUGS[bug].patches:
                     stack.enter_context(_counting(patch, bug, calls).applied())
-            strategy.lower_step(state, batch)
+            strategy.engine.lower_step(state, batch)
         assert all(calls.values()), (name, calls)
 
 

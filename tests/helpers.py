@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxdp.models import create_model
 from jaxdp.models.batchnorm import BatchNorm
+from jaxdp.strategies import conversions
 
 
 def tiny_resnet(dtype="float64", **kw):
@@ -78,10 +79,10 @@ def model_state(variables):
 
 
 def run_steps(strategy, state, batches):
-    """``strategy.step`` over host ``(images, labels)`` pairs; the final state and every step's metrics."""
+    """``strategy.engine.step`` over host ``(images, labels)`` pairs; the final state and every step's metrics."""
     history = []
     for x, y in batches:
-        state, metrics = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
+        state, metrics = strategy.engine.step(state, strategy.engine.shard_batch(as_batch(x, y)))
         history.append(metrics)
     return state, history
 
@@ -89,18 +90,18 @@ def run_steps(strategy, state, batches):
 def canonical_history(strategy, variables, batches):
     """From full ``variables``, each step's (loss, canonical averaged grads) over host
     ``batches`` (the strategy built with ``return_grads=True``) and the final canonical state."""
-    state = strategy.init_state(variables)
+    state = strategy.engine.init_state(variables)
     history = []
     for batch in batches:
-        state, metrics = strategy.step(state, strategy.shard_batch(batch))
-        history.append((float(metrics["loss"]), jax.device_get(strategy.canonical_grads(metrics["grads"]))))
-    return history, jax.device_get(strategy.canonical(state))
+        state, metrics = strategy.engine.step(state, strategy.engine.shard_batch(batch))
+        history.append((float(metrics["loss"]), jax.device_get(conversions.canonical_grads(strategy, metrics["grads"]))))
+    return history, jax.device_get(strategy.engine.canonical(state))
 
 
 def stepped(strategy, state, batches):
     """``state`` after one step per host batch."""
     for batch in batches:
-        state, _ = strategy.step(state, strategy.shard_batch(batch))
+        state, _ = strategy.engine.step(state, strategy.engine.shard_batch(batch))
     return state
 
 
@@ -111,9 +112,9 @@ def resumed_on(a, b, variables, batches, split, directory):
     from jaxdp.checkpoint import Checkpointer
 
     ckpt = Checkpointer(str(directory))
-    ckpt.save(split, a.stored(stepped(a, a.init_state(variables), batches[:split])), {"step": split})
-    restored, _ = ckpt.restore(b.stored_target(b.abstract_state(batches[0])))
-    return jax.device_get(b.canonical(stepped(b, b.from_stored(restored), batches[split:])))
+    ckpt.save(split, a.engine.stored(stepped(a, a.engine.init_state(variables), batches[:split])), {"step": split})
+    restored, _ = ckpt.restore(b.engine.restore_target(batches[0]))
+    return jax.device_get(b.engine.canonical(stepped(b, b.engine.from_stored(restored), batches[split:])))
 
 
 def init(model, size=8, seed=0):
@@ -153,8 +154,8 @@ def collectives_in_loops(hlo: str):
 def step_collectives_by_axis(strategy, batch):
     """{(op, "model"|"data"): count} in ``strategy``'s compiled step on a data x model mesh
     (a collective whose replica groups are the mesh's rows runs over ``model``)."""
-    state = strategy.init(jax.random.key(0), batch)
-    hlo = strategy.lower_step(state, strategy.shard_batch(batch)).compile().as_text()
+    state = strategy.engine.init(jax.random.key(0), batch)
+    hlo = strategy.engine.lower_step(state, strategy.engine.shard_batch(batch)).compile().as_text()
     rows = strategy.mesh.devices.reshape(-1, strategy.mesh.shape["model"])
     model_groups = "{" + ",".join("{" + ",".join(str(d.id) for d in row) + "}" for row in rows) + "}"
     counts = Counter()

@@ -48,7 +48,7 @@ def one_line(excinfo, *words):
 
 
 def no_compile_happened(t):
-    assert t.strategy._jit_step is None
+    assert t.strategy.engine.jit_step is None
 
 
 def test_batch_that_does_not_split_over_the_devices():

@@ -64,7 +64,7 @@ def make(name, model, tx, n, **options):
 
 def run(name, model, variables, tx, batches, n, **options):
     strategy = make(name, model, tx, n, **options)
-    state, history = run_steps(strategy, strategy.init_state(variables), batches)
+    state, history = run_steps(strategy, strategy.engine.init_state(variables), batches)
     return strategy, state, history
 
 
@@ -105,12 +105,12 @@ def test_stale_gradients_match_python_loop_reference(k, n, seed):
         assert set(delays.ravel()) == set(range(k + 1)), delays
 
     strategy = make("async", model, tx, n, staleness=k, staleness_seed=seed)
-    state, losses = strategy.init_state(variables), []
+    state, losses = strategy.engine.init_state(variables), []
     for i, (x, y) in enumerate(batches):
-        state, metrics = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
+        state, metrics = strategy.engine.step(state, strategy.engine.shard_batch(as_batch(x, y)))
         losses.append(np.asarray(metrics["loss_per_device"]))
         if i == 1:  # a checkpoint round trip mid-run, ring buffer included
-            state = strategy.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.canonical(state)))
+            state = strategy.engine.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.engine.canonical(state)))
     history, stats, opt_state, ref_losses = reference_stale_sgd(model, variables, tx, batches, delays)
     np.testing.assert_allclose(np.array(losses), ref_losses, rtol=1e-12)  # each worker read its own version
     assert max_rel_error(state.params, history[-1]) <= 1e-12

@@ -21,7 +21,7 @@ from jaxdp.strategies import layout
 
 
 def state_on(n: int, w_shape=(8, 6), b_len: int = 10, stats_len: int = 3):
-    """A TrainState in the checkpoint layout (``Strategy.stored``): canonical shapes, params
+    """A TrainState in the checkpoint layout (``strategy.engine.stored``): canonical shapes, params
     cut over n devices along a dimension n divides (replicated where none does), the model
     state replicated."""
     mesh = make_mesh(n)

@@ -98,10 +98,10 @@ def test_ddp_ring_equals_per_shard_reference():
     # A small cap: several buckets (conv kernel | conv bias + dense ...), each its own ring.
     strategy = create_strategy("ddp", model, classifier(model), tx, make_mesh(n), allreduce="ring",
                                bucket_cap_mb=0.0002)
-    state = strategy.init_state(variables)
+    state = strategy.engine.init_state(variables)
     assert state.model_state == {}
     for x, y in batches:
-        state, _ = strategy.step(state, strategy.shard_batch({"image": x, "label": y}))
+        state, _ = strategy.engine.step(state, strategy.engine.shard_batch({"image": x, "label": y}))
 
     params, opt_state = variables["params"], tx.init(variables["params"])
     for x, y in batches:
@@ -113,7 +113,7 @@ def test_ddp_ring_equals_per_shard_reference():
     assert max_rel_error(state.params, params) <= 1e-12
 
     x, y = batches[0]
-    hlo = strategy.lower_step(state, strategy.shard_batch({"image": x, "label": y})).compile().as_text()
+    hlo = strategy.engine.lower_step(state, strategy.engine.shard_batch({"image": x, "label": y})).compile().as_text()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     sent = permute_bytes(hlo)
     assert len(sent) > 2 * (n - 1)  # more than one bucket, each a ring

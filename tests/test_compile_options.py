@@ -7,7 +7,7 @@ from jaxdp.analysis.measure import build_strategy
 from jaxdp.runtime.compile_options import DEFAULTS, YNN_DOTS_AND_REDUCES, parse, resolve
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import create_model
-from jaxdp.strategies import StrategyError
+from jaxdp.strategies import StrategyError, conversions
 
 
 def test_the_cpu_default_leaves_convolutions_out_of_ynnpack_and_the_environment_overrides_it(monkeypatch):
@@ -41,9 +41,9 @@ def test_the_options_reach_xla():
     strategy = _strategy({"xla_cpu_experimental_ynn_fusion_type": "NOT_A_FUSION_TYPE"})
     rng = np.random.default_rng(0)
     host = {"image": rng.normal(size=(4, 8, 8, 3)).astype(np.float32), "label": np.arange(4, dtype=np.int32)}
-    state = strategy.abstract_state(host)
+    state = conversions.abstract_state(strategy, host)
     with pytest.raises(Exception, match="xla_cpu_experimental_ynn_fusion_type"):
-        strategy.lower_step(state, strategy.shard_batch(host)).compile()
+        strategy.engine.lower_step(state, strategy.engine.shard_batch(host)).compile()
 
 
 @pytest.mark.float64
@@ -62,12 +62,12 @@ def test_training_with_the_cpu_default_options_matches_training_without_them(mon
     runs = {}
     for options in (None, "none"):
         strategy = build_strategy("ddp", make_mesh(2), net, "sgd", {"compiler_options": options})
-        state = strategy.init(jax.random.key(0), host)
+        state = strategy.engine.init(jax.random.key(0), host)
         losses = []
         for _ in range(3):
-            state, metrics = strategy.step(state, strategy.shard_batch(host))
+            state, metrics = strategy.engine.step(state, strategy.engine.shard_batch(host))
             losses.append(float(metrics["loss"]))
-        runs[options] = losses, strategy.canonical(state).params
+        runs[options] = losses, strategy.engine.canonical(state).params
     assert resolve(None, "cpu") == YNN_DOTS_AND_REDUCES  # the first run had them
     np.testing.assert_allclose(runs[None][0], runs["none"][0], rtol=1e-12)
     for a, b in zip(jax.tree_util.tree_leaves(runs[None][1]), jax.tree_util.tree_leaves(runs["none"][1])):

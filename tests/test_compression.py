@@ -72,8 +72,8 @@ def batch(x, y):
 def ddp_reduced_grads(model, variables, x, y, n, **options):
     strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.0), make_mesh(n), return_grads=True,
                                **options)
-    state = strategy.init_state(variables)
-    return strategy.step(state, strategy.shard_batch(batch(x, y)))[1]["grads"]
+    state = strategy.engine.init_state(variables)
+    return strategy.engine.step(state, strategy.engine.shard_batch(batch(x, y)))[1]["grads"]
 
 
 @pytest.mark.parametrize("compress,low", [("bf16", BF16), ("fp16", F16)])
@@ -188,9 +188,9 @@ def test_ddp_powersgd_matches_numpy_reference_with_error_feedback():
 
     strategy = create_strategy("ddp", model, classifier(model), tx, make_mesh(n), compress="powersgd",
                                powersgd_rank=1, powersgd_options={"start_iter": start, "initial_q": q0})
-    state = strategy.init_state(variables)
+    state = strategy.engine.init_state(variables)
     for x, y in batches:
-        state, _ = strategy.step(state, strategy.shard_batch(batch(x, y)))
+        state, _ = strategy.engine.step(state, strategy.engine.shard_batch(batch(x, y)))
 
     params, opt_state, qs = variables["params"], tx.init(variables["params"]), dict(q0)
     errors = [{k: 0.0 for k in ("Conv_0.kernel", "Conv_0.bias", "Dense_0.kernel", "Dense_0.bias")}] * n
@@ -240,24 +240,24 @@ def test_powersgd_resumes_on_another_device_count_from_the_mean_error(tmp_path, 
 
     def run(strategy, state, steps):
         for b in steps:
-            state, _ = strategy.step(state, strategy.shard_batch(b))
-        return strategy.canonical(state)
+            state, _ = strategy.engine.step(state, strategy.engine.shard_batch(b))
+        return strategy.engine.canonical(state)
 
     def mean_error(state):
         return {k: np.asarray(e).mean(0) for k, e in _flat(state.extra["error"]).items()}
 
     four = make(4)
-    state = run(four, four.init_state(variables), batches[:4])  # steps 3 and 4 compressed
+    state = run(four, four.engine.init_state(variables), batches[:4])  # steps 3 and 4 compressed
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(4, four.stored(state), {})
+    ckpt.save(4, four.engine.stored(state), {})
     saved_error, saved_q = mean_error(state), jax.tree_util.tree_map(np.asarray, state.extra["q"])
     assert all(np.abs(saved_error[k]).max() > 1e-3 for k in ("Conv_0.kernel", "Dense_0.kernel"))
-    reference = run(four, four.from_canonical(state), batches[4:])
+    reference = run(four, four.engine.from_canonical(state), batches[4:])
 
     two = make(2)  # restored as jaxdp train restores: into shapes and shardings only
-    stored, _ = ckpt.restore(two.stored_target(two.abstract_state(batches[0])))
+    stored, _ = ckpt.restore(two.engine.restore_target(batches[0]))
     ckpt.close()
-    resumed = two.canonical(two.from_stored(stored))
+    resumed = two.engine.canonical(two.engine.from_stored(stored))
     assert int(resumed.step) == 4
     for k, e in _flat(resumed.extra["error"]).items():  # the rule: every device gets the mean
         assert e.shape == (2,) + saved_error[k].shape
@@ -265,7 +265,7 @@ def test_powersgd_resumes_on_another_device_count_from_the_mean_error(tmp_path, 
             np.testing.assert_array_equal(np.asarray(e[d]), saved_error[k], err_msg=k)
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, resumed.extra["q"], saved_q))
 
-    after = run(two, two.from_canonical(resumed), batches[4:])
+    after = run(two, two.engine.from_canonical(resumed), batches[4:])
     assert max_rel_error(after.params, reference.params) <= 1e-12
     assert max_rel_error(after.opt_state, reference.opt_state) <= 1e-12
     assert max_rel_error(after.extra["q"], reference.extra["q"]) <= 1e-12
@@ -275,7 +275,7 @@ def test_powersgd_resumes_on_another_device_count_from_the_mean_error(tmp_path, 
 
     zeroed = resumed.replace(extra={**resumed.extra, "error": jax.tree_util.tree_map(
         np.zeros_like, resumed.extra["error"])})
-    assert max_rel_error(run(two, two.from_canonical(zeroed), batches[4:]).params, reference.params) > 1e-6
+    assert max_rel_error(run(two, two.engine.from_canonical(zeroed), batches[4:]).params, reference.params) > 1e-6
 
 
 # --- torch's own powerSGD_hook, on 2 gloo ranks, fed the same gradients ----------------------

@@ -91,3 +91,21 @@ def test_every_declared_bound_is_checked_in_one_line():
         check_config(TrainConfig(**{name: minimum}))
         with pytest.raises(TrainError, match=f"^--{name.replace('_', '-')} must be >= {minimum}"):
             check_config(TrainConfig(**{name: minimum - 1}))
+
+
+def test_which_options_pair_with_torch_and_which_inspect_takes_are_field_metadata():
+    """``parity_tests.pairs`` (PAIR_OPTIONS, JAX_ONLY_OPTIONS) and ``jaxdp inspect`` (its strategy flags)
+    are the lists ``StrategyOptions``' fields declare (``option(parity=..., inspect=...)``), in
+    declaration order: the same lists that were kept by hand before."""
+    from jaxdp.cli import inspect_command
+    from jaxdp.config.step import StrategyOptions
+    from parity_tests import pairs
+
+    meta = {f.name: f.metadata for f in declared(StrategyOptions) if f.metadata["strategy_option"]}
+    assert pairs.PAIR_OPTIONS == tuple(n for n, m in meta.items() if m["parity"]) == (
+        "bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape", "remat")
+    assert pairs.JAX_ONLY_OPTIONS == tuple(n for n, m in meta.items() if m["parity"] == "jax-only") == (
+        "allreduce", "staleness", "remat")
+    assert inspect_command.FLAGS == tuple(n for n, m in meta.items() if m["inspect"])
+    assert inspect_command.STRATEGY_OPTIONS == ("allreduce", "compress", "powersgd_rank", "staleness", "remat")
+    assert meta["powersgd_start_iter"]["parity"] is None  # it rides with --compress powersgd

@@ -66,7 +66,7 @@ def ddp(model, tx, n, **options):
 
 def run_strategy(model, variables, tx, batches, n, **options):
     strategy = ddp(model, tx, n, **options)
-    state, history = run_steps(strategy, strategy.init_state(variables), batches)
+    state, history = run_steps(strategy, strategy.engine.init_state(variables), batches)
     return state, history[-1]
 
 
@@ -128,8 +128,8 @@ def test_accumulation_does_one_all_reduce_group_per_update():
 
     def compiled_hlo(k):
         strategy = ddp(model, optax.sgd(0.1), n, accum_steps=k)
-        state = strategy.init_state(variables)
-        return strategy.lower_step(state, strategy.shard_batch(as_batch(x, y))).compile().as_text()
+        state = strategy.engine.init_state(variables)
+        return strategy.engine.lower_step(state, strategy.engine.shard_batch(as_batch(x, y))).compile().as_text()
 
     inside_k1, outside_k1 = collectives_in_loops(compiled_hlo(1))
     inside_k4, outside_k4 = collectives_in_loops(compiled_hlo(4))
@@ -191,7 +191,7 @@ def test_buckets_hold_grads_in_reverse_torch_parameter_order():
 
     model = tiny_resnet()
     strategy = ddp(model, optax.sgd(0.1), 2)
-    state = strategy.init_state(random_variables(model))
+    state = strategy.engine.init_state(random_variables(model))
     x, y = random_batch(4)
 
     def loss_fn(p):
@@ -230,8 +230,8 @@ def test_ddp_step_reduces_torch_sized_buckets():
         return reduce_bucket(grads, axis, n)
 
     strategy.sync.reduce_bucket = recording
-    state = strategy.init_state(random_variables(model))
-    strategy.lower_step(state, strategy.shard_batch(as_batch(*random_batch(4))))
+    state = strategy.engine.init_state(random_variables(model))
+    strategy.engine.lower_step(state, strategy.engine.shard_batch(as_batch(*random_batch(4))))
     _, sizes = torch_reduction_order(dict(width=4, blocks=(1, 1, 1, 1)))
     assert seen == [sum(sizes[i] for i in b) for b in torch_buckets(sizes, [4000])]
 

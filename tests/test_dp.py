@@ -61,13 +61,13 @@ def test_dp_equals_full_batch_mean_reference():
     tx = make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=1e-4)
     batches = [random_batch(16, seed=s) for s in range(2)]
     strategy = dp(model, tx, n)
-    state = strategy.init_state(variables)
+    state = strategy.engine.init_state(variables)
     losses = []
     for x, y in batches:
-        state, metrics = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
+        state, metrics = strategy.engine.step(state, strategy.engine.shard_batch(as_batch(x, y)))
         losses.append(float(metrics["loss"]))
     params, stats, opt_state, ref_losses = reference_data_parallel(model, variables, tx, batches, n)
-    canonical = strategy.canonical(state)
+    canonical = strategy.engine.canonical(state)
     assert max_rel_error(canonical.params, params) <= 1e-12
     assert max_rel_error(canonical.model_state["batch_stats"], stats) <= 1e-12
     assert max_rel_error(canonical.opt_state, opt_state) <= 1e-12
@@ -96,8 +96,8 @@ def test_dp_program_gathers_to_device_0_and_broadcasts():
         model = TinyConvNet()
         variables = init(model)
         strategy = dp(model, optax.adam(1e-3), n)
-        state = strategy.init_state(variables)
-        hlo = strategy.lower_step(state, strategy.shard_batch(as_batch(*random_batch(4 * n)))).compile().as_text()
+        state = strategy.engine.init_state(variables)
+        hlo = strategy.engine.lower_step(state, strategy.engine.shard_batch(as_batch(*random_batch(4 * n)))).compile().as_text()
         grad_size = sum(x.size for x in jax.tree_util.tree_leaves(variables["params"]))
         ops = _collectives(hlo)
 
@@ -122,12 +122,12 @@ def test_dp_trains_evaluates_and_round_trips_canonical():
     variables = init(model)
     strategy = dp(model, optax.sgd(0.1), n)
     x, y = random_batch(8)
-    state = strategy.init_state(variables)
-    state, _ = strategy.step(state, strategy.shard_batch(as_batch(x, y)))
-    again = strategy.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.canonical(state)))
+    state = strategy.engine.init_state(variables)
+    state, _ = strategy.engine.step(state, strategy.engine.shard_batch(as_batch(x, y)))
+    again = strategy.engine.from_canonical(jax.tree_util.tree_map(np.asarray, strategy.engine.canonical(state)))
     assert max_rel_error(again.params, state.params) == 0.0
-    out = strategy.evaluate(again, strategy.shard_batch(as_batch(x, y, np.ones(8, bool))))
-    logits = model.apply({"params": strategy.canonical(state).params}, jnp.asarray(x))
+    out = strategy.engine.evaluate(again, strategy.engine.shard_batch(as_batch(x, y, np.ones(8, bool))))
+    logits = model.apply({"params": strategy.engine.canonical(state).params}, jnp.asarray(x))
     want = optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
     np.testing.assert_allclose(float(out["loss_sum"]), float(want), rtol=1e-13)
     assert float(out["count"]) == 8

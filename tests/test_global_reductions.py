@@ -196,7 +196,7 @@ def test_global_mean_pass_over_the_micro_batches_is_compiled_away():
                                 jaxdp.make_mesh(data=2), model_inputs=lambda b: (b["x"],))
         data = batches(8, 1)
         state = trainer.init(jax.random.key(0), data[0])
-        text = trainer.strategy.lower_step(state, trainer.strategy.shard_batch(data[0])).as_text()
+        text = trainer.strategy.engine.lower_step(state, trainer.strategy.engine.shard_batch(data[0])).as_text()
         return {op: text.count(op) for op in ("all_gather", "dot_general", "all_reduce")}
     with_mean, without = counts(weighted_loss), counts(plain)
     assert with_mean["all_gather"] == without["all_gather"] > 0

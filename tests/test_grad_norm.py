@@ -27,8 +27,8 @@ def test_grad_norm_is_the_norm_of_the_averaged_gradient(name, axes):
     rng = np.random.default_rng(0)
     n = 4 * axes["data"]
     batch = {"image": rng.normal(size=(n, 16, 16, 3)), "label": rng.integers(0, 10, n).astype(np.int32)}
-    state = strategy.init(jax.random.key(0), batch)
-    _, metrics = strategy.step(state, strategy.shard_batch(batch))
+    state = strategy.engine.init(jax.random.key(0), batch)
+    _, metrics = strategy.engine.step(state, strategy.engine.shard_batch(batch))
     grads = jax.device_get(metrics["grads"])  # whole, the reference
     want = np.sqrt(sum(float(np.sum(np.square(g))) for g in jax.tree_util.tree_leaves(grads)))
     assert abs(float(metrics["grad_norm"]) - want) <= 1e-12 * want
@@ -39,5 +39,5 @@ def test_grad_norm_is_off_unless_asked():
     strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=2))
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(4, 16, 16, 3)).astype(np.float32), "label": rng.integers(0, 10, 4)}
-    state = strategy.init(jax.random.key(0), batch)
-    assert "grad_norm" not in strategy.step(state, strategy.shard_batch(batch))[1]
+    state = strategy.engine.init(jax.random.key(0), batch)
+    assert "grad_norm" not in strategy.engine.step(state, strategy.engine.shard_batch(batch))[1]

@@ -50,7 +50,7 @@ def test_model_state_bytes_match_the_zero_formulas():
         for name, n in COUNTS if opt == "adam" else (("zero3", 8),):
             strategy = create_strategy(name, model, classifier(model), tx, make_mesh(n),
                                        **fsdp_options(name, model))
-            # The sharded init (strategy.init) at N = 8, the canonical variables placed elsewhere.
+            # The sharded init (strategy.engine.init) at N = 8, the canonical variables placed elsewhere.
             r = measure(strategy, {"image": images[:n], "label": labels[:n]},
                         variables=None if n == 8 else variables, compile=False)
             assert (r["psi"], r["param_bytes"], r["opt_bytes_per_param"]) == (78_002, 4, k)

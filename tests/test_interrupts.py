@@ -46,7 +46,7 @@ def interrupt_during(compile_name: str, out: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compile_name, message", [
-    ("make", "jaxdp: interrupted before the first step: nothing to checkpoint\n"),  # the init (Strategy.init)
+    ("make", "jaxdp: interrupted before the first step: nothing to checkpoint\n"),  # the init (strategy.engine.init)
     ("local_step", "jaxdp: interrupted; step 1 was checkpointed: add --resume to continue\n"),  # the first step
 ])
 def test_ctrl_c_during_the_first_compile_exits_cleanly(tmp_path, compile_name, message):

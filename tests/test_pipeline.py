@@ -170,10 +170,10 @@ def test_a_batch_that_does_not_split_into_microbatches_is_one_clear_error():
                                microbatches=4)
     batch = {k: v.astype(np.float32) if k == "image" else v
              for k, v in batches(12, steps=1, shape=(10,), classes=5)[0].items()}
-    state = strategy.init(jax.random.key(0), batch)
+    state = strategy.engine.init(jax.random.key(0), batch)
     with pytest.raises(pipeline.PipelineError, match=r"^per-device batch 6 does not split into 4 pipeline "
                                                      r"micro-batches \(--microbatches\)"):
-        strategy.step(state, strategy.shard_batch(batch))
+        strategy.engine.step(state, strategy.engine.shard_batch(batch))
 
 
 @pytest.mark.float64
@@ -204,10 +204,10 @@ rng = np.random.default_rng(0)
 batch = {"image": rng.normal(size=(8, 10)).astype(np.float32), "label": rng.integers(0, 5, 8).astype(np.int32)}
 strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.01), make_mesh(data=2, stage=2),
                            microbatches=2)
-state = strategy.init(jax.random.key(0), batch)
-placed = strategy.shard_batch(batch)
+state = strategy.engine.init(jax.random.key(0), batch)
+placed = strategy.engine.shard_batch(batch)
 for _ in range(200):
-    state, metrics = strategy.step(state, placed)  # dispatched back to back: nobody waits here
+    state, metrics = strategy.engine.step(state, placed)  # dispatched back to back: nobody waits here
 print("done", float(metrics["loss"]))
 """
 

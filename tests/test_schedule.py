@@ -36,8 +36,8 @@ def compiled_hlo(name, **options):
                         **options)
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(4, 8, 8, 3)).astype(np.float32), "label": np.arange(4, dtype=np.int32)}
-    state = s.init_state(s.init_fn(__import__("jax").random.key(0), batch))
-    return s.lower_step(state, s.shard_batch(batch)).compile().as_text()
+    state = s.engine.init_state(s.init_fn(__import__("jax").random.key(0), batch))
+    return s.engine.lower_step(state, s.engine.shard_batch(batch)).compile().as_text()
 
 
 def positions(ops, kind, phase, unit):

@@ -13,7 +13,7 @@ import pytest
 
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.models import create_model, fsdp_units
-from jaxdp.strategies import create_strategy
+from jaxdp.strategies import conversions, create_strategy
 from jaxdp.strategies.sync.buckets import leaf_path
 from jaxdp.strategies.units import in_unit
 from jaxdp.loss.task import classifier
@@ -47,7 +47,7 @@ def _resident_peak(*analyses_and_resident):
 
 def test_zero3_init_peak_per_device_is_within_the_bound(zero3):
     _, strategy = zero3
-    init_params, init_opt = strategy.init_programs(EXAMPLE)
+    init_params, init_opt = strategy.engine.init_programs(EXAMPLE)
     params_program = init_params.lower(jax.random.key(0)).compile()
     params_shapes = jax.eval_shape(init_params, jax.random.key(0))[0]
     opt_program = init_opt.lower(params_shapes).compile()
@@ -64,9 +64,9 @@ def test_zero3_init_peak_per_device_is_within_the_bound(zero3):
 @pytest.mark.production_compiler
 def test_zero3_sharded_init_equals_an_unsharded_init(zero3):
     model, strategy = zero3
-    state = strategy.init(jax.random.key(3), EXAMPLE)
+    state = strategy.engine.init(jax.random.key(3), EXAMPLE)
     reference = jax.jit(lambda k: model.init(k, EXAMPLE["image"], train=False))(jax.random.key(3))
-    for got, want in zip(jax.tree_util.tree_leaves(jax.device_get(strategy.canonical(state).params)),
+    for got, want in zip(jax.tree_util.tree_leaves(jax.device_get(strategy.engine.canonical(state).params)),
                          jax.tree_util.tree_leaves(reference["params"])):
         np.testing.assert_array_equal(got, want)
     # Nothing is whole at rest: every sharded leaf holds 1/N of its (padded) size per device.
@@ -77,9 +77,9 @@ def test_zero3_sharded_init_equals_an_unsharded_init(zero3):
 
 def test_zero3_restore_peak_per_device_is_within_the_bound(zero3):
     _, strategy = zero3
-    target = strategy.stored_target(strategy.abstract_state(EXAMPLE))
-    program = jax.jit(strategy._padder(), out_shardings=strategy.state_shardings(
-        jax.eval_shape(strategy._padder(), target))).lower(target).compile()
+    target = strategy.engine.restore_target(EXAMPLE)
+    program = jax.jit(conversions.padder(strategy), out_shardings=strategy.state_shardings(
+        jax.eval_shape(conversions.padder(strategy), target))).lower(target).compile()
     m = program.memory_analysis()
     peak = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
     _, bound = _bound(strategy)
@@ -91,6 +91,6 @@ def test_zero3_restore_peak_per_device_is_within_the_bound(zero3):
 def test_zero1_zero2_init_shards_the_optimizer_state(name):
     model = create_model("resnet18", width=8, blocks=(1, 1, 1, 1))
     strategy = create_strategy(name, model, classifier(model), optax.adam(1e-3), make_mesh(N))
-    state = strategy.init(jax.random.key(0), EXAMPLE)
+    state = strategy.engine.init(jax.random.key(0), EXAMPLE)
     moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim]
     assert moments and all(x.addressable_shards[0].data.size * N == x.size for x in moments)

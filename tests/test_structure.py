@@ -27,7 +27,8 @@ TORCH_SIDE = ("torch", "torch_ref", "parity_tests", "torch_commands")
 # "jaxdp" is the package itself: its public names, loaded lazily from api/, loss/ and runtime/.
 LAYERS = (
     ("names",),  # the name tables: models by family, optimizers, schedules, datasets, ... (imports nothing)
-    ("registry", "runtime", "data", "loss"),  # strategy names; devices and meshes; numpy data; the loss contract
+    ("runtime", "data", "loss"),  # devices and meshes (the mesh degrees); numpy data; the loss contract
+    ("registry",),  # strategy names, each with whether its mesh has a replica degree (read from runtime's)
     ("config", "optim", "parallel", "checkpoint"),  # the options tree; optimizers; model axes; the checkpoint service
     ("models",),  # model families, with their tensor-parallel plans
     ("strategies", "interop"),  # the strategies over one TrainState; torch state_dict <-> Flax

@@ -79,7 +79,7 @@ def test_hsdp_beside_a_model_axis_trains_as_one_device(mesh, options, variables,
     each model slice on its own; named on the mesh, or split from data=4 by mesh_shape."""
     model = vit()
     kept = create_strategy("hsdp", model, classifier(model), optax.sgd(0.1), make_mesh(**mesh), **options)
-    assert dict(kept.mesh.shape) == {"replica": 2, "data": 2, "model": 2} and kept.tp is not None
+    assert dict(kept.mesh.shape) == {"replica": 2, "data": 2, "model": 2} and kept.model_split is not None
     history, state = train("hsdp", make_mesh(**mesh), variables, batches(8), units=(EncoderBlock,), **options)
     ref_history, ref_state = one_device[8]
     for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(history, ref_history)):
@@ -184,7 +184,7 @@ def test_a_plan_that_does_not_fit_the_variables_is_one_clear_error(plan, message
     strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.1), make_mesh(data=1, model=2),
                                tp_plan=plan)
     with pytest.raises(StrategyError, match=message):
-        strategy.init(jax.random.key(0), batches(2, steps=1)[0])
+        strategy.engine.init(jax.random.key(0), batches(2, steps=1)[0])
 
 
 def test_ring_all_reduce_is_refused_beside_a_model_axis():
@@ -207,10 +207,10 @@ rng = np.random.default_rng(0)
 batch = {"image": rng.normal(size=(8, 16, 16, 3)).astype(np.float32), "label": rng.integers(0, 10, 8).astype(np.int32)}
 options = {"units": (EncoderBlock,)} if name == "zero3" else {}
 strategy = create_strategy(name, model, classifier(model), optax.sgd(0.01), make_mesh(data=2, model=4), **options)
-state = strategy.init(jax.random.key(0), batch)
-placed = strategy.shard_batch(batch)
+state = strategy.engine.init(jax.random.key(0), batch)
+placed = strategy.engine.shard_batch(batch)
 for _ in range(steps):
-    state, metrics = strategy.step(state, placed)  # dispatched back to back: nobody waits here
+    state, metrics = strategy.engine.step(state, placed)  # dispatched back to back: nobody waits here
 print("done", float(metrics["loss"]))
 """
 
@@ -247,7 +247,7 @@ def test_a_checkpoint_resumes_on_another_mesh(first, then, variables, tmp_path):
         return create_strategy(name, model, classifier(model), tx, make_mesh(**axes), **OPTIONS[name])
 
     reference = make("ddp", {"data": 1})
-    want = jax.device_get(reference.canonical(stepped(reference, reference.init_state(variables), data)))
+    want = jax.device_get(reference.engine.canonical(stepped(reference, reference.engine.init_state(variables), data)))
     got = resumed_on(make(*first), make(*then), variables, data, 2, tmp_path / "ckpt")
     assert max_rel_error(got.params, want.params) < 1e-12
     assert max_rel_error(got.opt_state, want.opt_state) < 1e-12

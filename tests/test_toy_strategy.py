@@ -140,19 +140,20 @@ def test_bucket_cap_mb_has_one_default_the_cli_library_and_torch_ref_read():
 
 
 def test_the_default_hsdp_mesh_is_one_definition():
-    """jaxdp, torch_ref and gpu-check give the registry's (replicas, shards) on one host; N = 2 is (2, 1)."""
+    """jaxdp, torch_ref and gpu-check give the mesh object's (replicas, shards) on one host; N = 2 is (2, 1)."""
     from types import SimpleNamespace
 
+    from jaxdp.runtime.mesh import MeshDims
     from jaxdp.strategies.zero import default_hsdp_shape
     from torch_commands.gpu_check import plan as gpu_check
     from torch_ref.strategies import hsdp_mesh_shape, twin
 
-    assert registry.default_mesh(2) == (2, 1) and registry.default_mesh(8) == (2, 4)
-    assert registry.default_mesh(3) == (1, 3) and registry.default_mesh(8, hosts=4) == (4, 2)
+    assert MeshDims.hsdp_default(2) == (2, 1) and MeshDims.hsdp_default(8) == (2, 4)
+    assert MeshDims.hsdp_default(3) == (1, 3) and MeshDims.hsdp_default(8, hosts=4) == (4, 2)
     for n in range(1, 9):
         host = [SimpleNamespace(process_index=0)] * n
         assert default_hsdp_shape(host) == hsdp_mesh_shape(None, n) == gpu_check.hsdp_mesh_shape(n) \
-            == registry.default_mesh(n), n
+            == MeshDims.hsdp_default(n), n
     assert [registry.mesh_shape(n, 4) for n in registry.names()] == [
         (2, 2) if registry.row(n).replicas else None for n in registry.names()]
     assert all(twin(registry.row(n).torch_twin) for n in registry.names() if registry.row(n).torch_twin)  # each is built

@@ -225,7 +225,7 @@ def test_a_checkpoint_resumes_with_jaxdp_train_resume(writer, tmp_path, uninterr
         assert setup.trainer.save(checkpoints, state) == 5
     else:
         ckpt = Checkpointer(checkpoints)
-        ckpt.save(5, setup.strategy.stored(state), old_train_meta(whole, setup))
+        ckpt.save(5, setup.strategy.engine.stored(state), old_train_meta(whole, setup))
         ckpt.close()
     capsys.readouterr()
     assert main(["train", *TINY_ARGS, "--resume", "--out", str(tmp_path)]) == 0
@@ -244,7 +244,7 @@ def test_an_old_train_checkpoint_restores_with_trainer_restore(tmp_path, uninter
     whole, _ = uninterrupted
     setup, state = five_steps
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(5, setup.strategy.stored(state), old_train_meta(whole, setup))
+    ckpt.save(5, setup.strategy.engine.stored(state), old_train_meta(whole, setup))
     ckpt.close()
     trainer = build(whole).trainer
     restored, meta = trainer.restore(str(tmp_path), example_batch(trainer.strategy.model), with_meta=True)

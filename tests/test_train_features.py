@@ -118,9 +118,9 @@ def test_mfu_is_model_flops_and_memory_comes_from_the_compiled_step(run):
     from jaxdp.run.setup import build
 
     setup = build(cfg)
-    batch = setup.strategy.shard_batch({"image": np.zeros((16, 32, 32, 3), np.float32),
+    batch = setup.strategy.engine.shard_batch({"image": np.zeros((16, 32, 32, 3), np.float32),
                                         "label": np.zeros(16, np.int32)})
-    compiled = setup.strategy.lower_step(strategy_state, batch).compile()
+    compiled = setup.strategy.engine.lower_step(strategy_state, batch).compile()
     mem = compiled.memory_analysis()
     expected_mb = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                    - mem.alias_size_in_bytes) / 2**20

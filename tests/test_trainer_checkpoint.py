@@ -96,8 +96,8 @@ def test_the_old_trainer_save_layout_restores_and_a_newer_format_is_one_line(tmp
     key = {"impl": str(jax.random.key_impl(jax.random.key(7))),
            "data": np.asarray(jax.random.key_data(jax.random.key(7))).tolist()}
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(0, saver.strategy.stored(state), {"global_step": 0, "trainer_rng": key})
-    ckpt.save(1, saver.strategy.stored(state), {"format": 3, "global_step": 1})
+    ckpt.save(0, saver.strategy.engine.stored(state), {"global_step": 0, "trainer_rng": key})
+    ckpt.save(1, saver.strategy.engine.stored(state), {"format": 3, "global_step": 1})
     ckpt.close()
     restorer = trainer(jaxdp.DDP(), 2)
     restored, meta = restorer.restore(str(tmp_path), batch(0), step=0, with_meta=True)

@@ -77,8 +77,8 @@ def train(name, opt, n=N, **options):
     """Canonical state after ``batches_for(n)`` and each step's metrics (with the averaged grads)."""
     model = small_resnet()
     strategy = make(name, model, OPTIMIZERS[opt](), n, return_grads=True, **MODES[opt], **options)
-    state, history = run_steps(strategy, strategy.init_state(init(model)), batches_for(n))
-    return strategy.canonical(state), history
+    state, history = run_steps(strategy, strategy.engine.init_state(init(model)), batches_for(n))
+    return strategy.engine.canonical(state), history
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,12 +142,12 @@ def test_evaluation_gathers_one_tensor_at_a_time_and_equals_ddp(name, options):
     batch = as_batch(x, y, np.ones(4 * N, bool))
     ref = make("ddp", model, tx, N)
     s = make(name, model, tx, N, **options)
-    state = s.init_state(variables)
-    got = s.evaluate(state, s.shard_batch(batch))
-    want = ref.evaluate(ref.init_state(variables), ref.shard_batch(batch))
+    state = s.engine.init_state(variables)
+    got = s.engine.evaluate(state, s.engine.shard_batch(batch))
+    want = ref.engine.evaluate(ref.engine.init_state(variables), ref.engine.shard_batch(batch))
     for key in ("loss_sum", "correct", "count"):
         assert abs(float(got[key]) - float(want[key])) <= TOL * abs(float(want[key])), key
-    hlo = s._jit_eval.lower(state, s.shard_batch(batch)).compile().as_text()
+    hlo = s.engine.jit_eval.lower(state, s.engine.shard_batch(batch)).compile().as_text()
     gathers = parse_collectives(hlo, N)["ops"]["all-gather"]["count"]
     assert gathers == len(jax.tree_util.tree_leaves(variables["params"]))
 
@@ -222,7 +222,7 @@ def test_state_is_sharded_as_zero_says(name, options):
     variables = init(model)
     sharded = ("params", "opt") if name in ("zero3", "hsdp") else ("opt",)
     s = make(name, model, tx, N, **options)
-    state = s.init_state(variables)
+    state = s.engine.init_state(variables)
     shards = 4 if name == "hsdp" else N
     assert s.shards == shards
     full = {"params": jax.tree_util.tree_leaves(layout.shapes_of(variables["params"])),
@@ -263,9 +263,9 @@ def test_sharded_init_is_the_unsharded_init(name, options):
     s = make(name, model, tx, N, **options)
     example = as_batch(*random_batch(2))
     rng = jax.random.key(7)
-    state = s.init(rng, example)
+    state = s.engine.init(rng, example)
     want = jax.jit(lambda r: model.init(r, jnp.zeros_like(example["image"]), train=False))(rng)
-    got = s.canonical(state)
+    got = s.engine.canonical(state)
     assert max_rel_error(got.params, want["params"]) == 0
     assert max_rel_error(got.model_state["batch_stats"], want["batch_stats"]) == 0
     assert max_rel_error(got.opt_state, tx.init(want["params"])) == 0
@@ -392,7 +392,7 @@ def test_unit_specs_matching_nothing_are_refused():
     # Through the strategy: refused when it first reads the model, before anything runs.
     s = make("zero3", model, OPTIMIZERS["sgd"](), 2, units=("nothing*",))
     with pytest.raises(UnitError, match="no module matches"):
-        s.init(jax.random.key(0), as_batch(*random_batch(2)))
+        s.engine.init(jax.random.key(0), as_batch(*random_batch(2)))
     with pytest.raises(StrategyError, match="units"):
         make("zero2", model, OPTIMIZERS["sgd"](), 2, units=UNITS)
     with pytest.raises(StrategyError, match="units"):
@@ -470,8 +470,8 @@ def test_zero1_compresses_as_ddp(compress):
         # the two programs' PowerSGD averages differed by an ulp (measured).
         s = make(name, model, tx, n, compress=compress, return_grads=True, compiler_options="none",
                  **COMPRESS[compress])
-        state, history = run_steps(s, s.init_state(variables), batches)
-        return s, s.canonical(state), history
+        state, history = run_steps(s, s.engine.init_state(variables), batches)
+        return s, s.engine.canonical(state), history
 
     zs, zero1, zero_history = run("zero1")
     _, ref, ref_history = run("ddp")
@@ -524,8 +524,8 @@ def test_accumulation_reduces_as_documented(name):
 
     def collectives(k):
         strategy = make(name, model, optax.sgd(0.1), 4, accum_steps=k)
-        state = strategy.init_state(variables)
-        return collectives_in_loops(strategy.lower_step(state, strategy.shard_batch(as_batch(x, y))).compile().as_text())
+        state = strategy.engine.init_state(variables)
+        return collectives_in_loops(strategy.engine.lower_step(state, strategy.engine.shard_batch(as_batch(x, y))).compile().as_text())
 
     (inside_1, outside_1), (inside_4, outside_4) = collectives(1), collectives(4)
     per_micro_batch = ONCE_PER_UPDATE[name]
@@ -558,7 +558,7 @@ def test_replicate_x_shard_is_a_degree_of_the_mesh():
     mesh = make_mesh(replica=2, data=4)
     kept = [create_strategy(name, model, classifier(model), tx, mesh) for name in ("zero3", "hsdp")]
     for s in kept:
-        assert (s.name, s.batch_axes, s.num_devices, s.shards, s.mesh) == ("hsdp", ("replica", "data"), 8, 4, mesh)
+        assert (s.facts.name, s.batch_axes, s.num_devices, s.shards, s.mesh) == ("hsdp", ("replica", "data"), 8, 4, mesh)
     for name in ("ddp", "zero1", "zero2", "async", "dp"):
         with pytest.raises(StrategyError, match=f"^{name} has no replica degree, but the mesh has replica=2"):
             create_strategy(name, model, classifier(model), tx, mesh)
@@ -632,20 +632,20 @@ def test_checkpoint_reshards_and_training_continues_identically(tmp_path, chain)
 
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     first = strategy(*links[0])
-    state, _ = run_steps(first, first.init_state(variables), batches[:2])
-    ckpt.save(2, first.stored(state), {"step": 2})
+    state, _ = run_steps(first, first.engine.init_state(variables), batches[:2])
+    ckpt.save(2, first.engine.stored(state), {"step": 2})
     reference = {}
     for i, b in enumerate(batches[2:], start=3):
         state, _ = run_steps(first, state, [b])
-        reference[i] = first.canonical(state)
+        reference[i] = first.engine.canonical(state)
 
     for (name, n), (start, stop) in zip(links[1:], ((2, 4), (4, 6))):
         s = strategy(name, n)
-        restored, meta = ckpt.restore(s.stored_target(s.abstract_state(example)))  # a target that builds nothing
+        restored, meta = ckpt.restore(s.engine.restore_target(example))  # a target that builds nothing
         assert meta == {"step": start}
-        state, _ = run_steps(s, s.from_stored(restored), batches[start:stop])
-        ckpt.save(stop, s.stored(state), {"step": stop})
-        got, ref = s.canonical(state), reference[stop]
+        state, _ = run_steps(s, s.engine.from_stored(restored), batches[start:stop])
+        ckpt.save(stop, s.engine.stored(state), {"step": stop})
+        got, ref = s.engine.canonical(state), reference[stop]
         assert int(got.step) == stop
         for part in ("params", "model_state", "opt_state"):
             assert max_rel_error(getattr(got, part), getattr(ref, part)) <= TOL, (name, n, part)
@@ -659,15 +659,15 @@ def test_checkpoints_are_written_sharded_and_nothing_is_gathered_to_save(tmp_pat
     from jaxdp.analysis import parse_collectives
 
     def collectives(strategy, state):
-        ops = parse_collectives(jax.jit(strategy.stored).lower(state).compile().as_text(), N)["ops"]
+        ops = parse_collectives(jax.jit(strategy.engine.stored).lower(state).compile().as_text(), N)["ops"]
         return {kind: (op["count"], op["output_bytes"]) for kind, op in ops.items() if op["count"]}
 
     tx = OPTIMIZERS["adam"]()
     model = small_resnet(width=8, num_classes=16)  # every tensor has a dimension 8 divides
     variables = init(model)
     s = make("zero3", model, tx, N, units=UNITS)
-    state = s.init_state(variables)
-    stored = s.stored(state)
+    state = s.engine.init_state(variables)
+    stored = s.engine.stored(state)
     full = layout.shapes_of((variables["params"], tx.init(variables["params"])))
     for leaf, f in zip(jax.tree_util.tree_leaves((stored.params, stored.opt_state)), jax.tree_util.tree_leaves(full),
                        strict=True):
@@ -675,16 +675,16 @@ def test_checkpoints_are_written_sharded_and_nothing_is_gathered_to_save(tmp_pat
         if leaf.ndim:  # not the step counts
             assert len(leaf.addressable_shards) == N and leaf.sharding.spec == layout.spec(f.shape, N, "data")
             assert leaf.addressable_shards[0].data.size == leaf.size // N
-    assert max_rel_error(s.canonical(s.from_stored(stored)).params, variables["params"]) == 0
+    assert max_rel_error(s.engine.canonical(s.engine.from_stored(stored)).params, variables["params"]) == 0
 
     assert collectives(s, state) == {}  # ZeRO-3's own layout: a copy
     ddp = make("ddp", model, tx, N)
-    assert collectives(ddp, ddp.init_state(variables)) == {}  # replicated: each device cuts its chunks
+    assert collectives(ddp, ddp.engine.init_state(variables)) == {}  # replicated: each device cuts its chunks
 
     # 10 classes: the head's bias (and its two Adam moments) is padded 10 -> 16 at rest and whole on disk.
     model10 = small_resnet(width=8)
     s10 = make("zero3", model10, tx, N, units=UNITS)
-    state10 = s10.init_state(init(model10))
+    state10 = s10.engine.init_state(init(model10))
     ops = collectives(s10, state10)
     assert set(ops) == {"all-gather"} and ops["all-gather"][1] == 3 * 16 * 8, ops  # 3 f64 (16,) tensors, no more
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from jaxdp import names, registry
+from jaxdp.runtime.mesh import MeshDims
 from torch_ref import compat
 from torch_ref import dist as tdist
 from torch_ref.models import FSDP_UNITS
@@ -253,14 +254,14 @@ def zero3(model: nn.Module, *, device: Optional[torch.device] = None, **options)
 
 
 def hsdp_mesh_shape(mesh_shape: Optional[Sequence[int]], world: int) -> Tuple[int, int]:
-    """(replicas, shards). Default: jaxdp's (``jaxdp.registry.default_mesh``), one shard group per
+    """(replicas, shards). Default: jaxdp's (``jaxdp.runtime.mesh.MeshDims.hsdp_default``), one shard group per
     node (torchrun's LOCAL_WORLD_SIZE ranks per node)."""
     import os
 
     if mesh_shape is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         local = local if local >= 1 and world % local == 0 else world
-        return registry.default_mesh(world, world // local)
+        return MeshDims.hsdp_default(world, world // local)
     shape = tuple(int(s) for s in mesh_shape)
     if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != world:
         raise StrategyError(f"mesh_shape {tuple(mesh_shape)} must be (replicas, shards) with "

@@ -135,7 +135,7 @@ def split_counts(strategy) -> dict:
 
     from jaxdp.parallel.tensor import path_name
 
-    tp = strategy.tp
+    tp = strategy.model_split
     split = 0
     if tp is not None:
         split = sum(int(np.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(strategy.shapes)
@@ -159,7 +159,7 @@ def model_axis_formula(strategy, batch_per_rank: int, image_size: int) -> Option
     beside it (None without tensor parallelism, or for a model that declares none)."""
     from jaxdp.parallel.tensor import beside
 
-    net, tp = strategy.init_model, strategy.tp
+    net, tp = strategy.init_model, strategy.model_split
     values = beside(net, "summed_values")
     if tp is None or values is None:
         return None

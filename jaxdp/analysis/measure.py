@@ -1,7 +1,7 @@
 """One strategy measured: model state per device against the formulas (``state``), compiled
 memory and collectives per step (``hlo``), as the dict ``jaxdp inspect --json`` prints.
 
-The compiled memory is ``memory_analysis()`` of ``strategy.lower_step(...).compile()``
+The compiled memory is ``memory_analysis()`` of ``strategy.engine.lower_step(...).compile()``
 (argument, output, alias, temp); the collectives are counted in ``compiled.as_text()`` and,
 as ``ring_bytes_as_written``, in the HLO before XLA's passes, printed where it differs:
 XLA:CPU promotes a bf16 all-reduce to f32.
@@ -119,28 +119,28 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
     """Everything in the module docstring, for a built strategy and a host batch (a pytree of
     global numpy arrays, e.g. ``{"image", "label"}``). The state measured: ``state`` if given
     (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
-    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.init`` (sharded, from ``seed``).
+    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.engine.init`` (sharded, from ``seed``).
     ``schedule``: also the compiled step's collectives and compute in execution order (``schedule.py``)."""
     import jax
 
     strategy.learn_structure(batch)
     if state is None:
-        state = strategy.init(jax.random.key(seed), batch) if variables is None else strategy.init_state(variables)
+        state = strategy.engine.init(jax.random.key(seed), batch) if variables is None else strategy.engine.init_state(variables)
     images = np.asarray(jax.tree_util.tree_leaves(batch)[0])
-    sharded = strategy.shard_batch(batch)
+    sharded = strategy.engine.shard_batch(batch)
     formulas = strategy_formulas(strategy)
     state_formulas = {part: formulas.pop(part) for part in ("formula", "formula_padded")}
     measured = state_bytes(state, strategy, strategy.local_shapes)
     measured["grads"] = kept_grad_bytes(strategy, state, sharded)
     report = {
-        "strategy": strategy.name, "devices": strategy.num_devices, "shards": strategy.shards,
+        "strategy": strategy.facts.name, "devices": strategy.num_devices, "shards": strategy.shards,
         "mesh": {name: int(size) for name, size in strategy.mesh.shape.items()}, **formulas,
         "batch_per_device": int(images.shape[0]) // strategy.num_devices, "image_size": images.shape[-2],
         "state": {"measured": measured, **state_formulas},
     }
     devices = strategy.mesh.devices.size  # every device of the mesh, model and stage axes too
     if compile:
-        lowered = strategy.lower_step(state, sharded)
+        lowered = strategy.engine.lower_step(state, sharded)
         compiled = lowered.compile()
         report["memory"] = compiled_memory(compiled)
         report["collectives"] = parse_collectives(compiled.as_text(), devices)

@@ -84,8 +84,8 @@ def step_time(strategy, compiled, net, batch_per_device: int, image_size: int, s
 
     local = jax.local_device_count() if jax.process_count() > 1 else strategy.num_devices
     host = host_batch(net, batch_per_device * local, image_size)
-    state = strategy.init(jax.random.key(0), host)
-    batch = strategy.shard_batch(host)
+    state = strategy.engine.init(jax.random.key(0), host)
+    batch = strategy.engine.shard_batch(host)
     times = []
     for _ in range(steps + 1):
         t = time.perf_counter()

@@ -42,6 +42,7 @@ import math
 from typing import Callable, List, Optional, Sequence
 
 from jaxdp import registry
+from jaxdp.runtime.mesh import MeshDims  # jax-free
 
 MAX_BATCH = 1 << 16  # per device: the search stops here (shapes beyond it reach XLA's int32 indexing)
 
@@ -64,7 +65,7 @@ def meshes(name: str, n: int) -> List[Optional[tuple]]:
     with both > 1, others the 1-D one."""
     if not registry.row(name).replicas:
         return [None]
-    return [(r, n // r) for r in range(2, n) if n % r == 0 and n // r > 1]
+    return MeshDims.replica_splits(n)
 
 
 def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 2**30, global_batch_size: int = 256,
@@ -151,11 +152,13 @@ def compile_from_shapes(strategy, batch_per_device: int, image_size: int):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from jaxdp.strategies import conversions
+
     rows = batch_per_device * strategy.num_devices
     split = NamedSharding(strategy.mesh, P(strategy.batch_axes))
     batch = {"image": jax.ShapeDtypeStruct((rows, image_size, image_size, 3), strategy.model.dtype, sharding=split),
              "label": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=split)}
-    return strategy.lower_step(strategy.abstract_state(batch), batch).compile()
+    return strategy.engine.lower_step(conversions.abstract_state(strategy, batch), batch).compile()
 
 
 def with_total(memory: dict) -> dict:

@@ -188,7 +188,7 @@ def extra_formula(strategy, params, p: int) -> int:
         shapes = {leaf_name(path): x.shape for path, x in jax.tree_util.tree_leaves_with_path(params)}
         q = sum(matrix_shape(shapes[name])[1] * r for name, r in powersgd.plan(params).items())
         return p * (psi * powersgd.use_error_feedback + q * powersgd.warm_start)
-    return p * psi * getattr(strategy, "staleness", 0)
+    return p * psi * strategy.options.staleness
 
 
 def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int, extra: int = 0) -> dict:
@@ -252,7 +252,7 @@ def strategy_formulas(strategy) -> dict:
     root_pad = padded_count(root, shards) if root is not None else None
     per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
     k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
-    formula = formula_bytes(strategy.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
+    formula = formula_bytes(strategy.facts.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
     names = strategy.mesh.axis_names
     mesh_shape = (strategy.mesh.shape[REPLICA_AXIS], strategy.mesh.shape[DATA_AXIS]) if REPLICA_AXIS in names else None
     return {"mesh_shape": mesh_shape, "psi": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(strategy.shapes))),

@@ -25,15 +25,22 @@ from jaxdp.api import validate
 from jaxdp.checkpoint import saving
 from jaxdp.loss import model_task, task as tasks
 from jaxdp.runtime.mesh import make_mesh
-from jaxdp.strategies import create_strategy
+from jaxdp.config.step import StrategyOptions
+from jaxdp.strategies import create_strategy, engine_of
 
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """A strategy's name and options, before it meets a model, an optimizer and a mesh."""
+    """A strategy's name and options, before it meets a model, an optimizer and a mesh.
+
+    ``options``: keywords, the public form (``jaxdp.ZeRO(stage=3, units=(Block,), remat="none")``).
+    ``config``: the config tree's typed options (``jaxdp.config.step.StrategyOptions``; ``jaxdp
+    train`` gives its parsed config), which go to the strategy's class as they are; ``options``
+    then holds only what a program wires in beside them (``units``, ``seed``, ...)."""
 
     name: str
     options: dict = field(default_factory=dict)
+    config: Optional[StrategyOptions] = None
 
 
 def DDP(**options) -> StrategySpec:  # noqa: N802 - reads as the strategy's name
@@ -69,8 +76,12 @@ class Trainer:
         self._check_loss = not isinstance(task, tasks.Classifier)
         self._default_inputs = model_inputs is None
         spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
-        self.strategy = create_strategy(spec.name, model, task, tx, mesh if mesh is not None else make_mesh(),
-                                        **spec.options)
+        mesh = mesh if mesh is not None else make_mesh()
+        if spec.config is None:  # keywords: checked against the name's options, then typed by the class
+            self.strategy = create_strategy(spec.name, model, task, tx, mesh, **spec.options)
+        else:  # typed options go to the strategy's class as they are (an option reaches its code in 3 calls)
+            cls, fixed = engine_of(spec.name)
+            self.strategy = cls(model, task, tx, mesh, spec.config, **fixed, **spec.options)
         self.mesh = self.strategy.mesh
 
     def init(self, rng, example_batch):
@@ -79,17 +90,17 @@ class Trainer:
         draws what the CLI's ``--seed s`` draws."""
         self._check(example_batch)
         self.strategy.use_rng(rng)
-        return self.strategy.init(rng, example_batch)
+        return self.strategy.engine.init(rng, example_batch)
 
     def step(self, state, batch):
         """One optimizer update on a global batch; returns (state, metrics). The state is donated."""
-        return self.strategy.step(state, self._placed(batch, self.strategy.accum_steps))
+        return self.strategy.engine.step(state, self._placed(batch, self.strategy.options.accum_steps))
 
     def evaluate(self, state, batch):
         """``eval_fn``'s sums over the global batch (a ``{"mask"}`` leaf drops padding rows for classifiers)."""
         if getattr(self.strategy.eval_task, "eval_fn", None) is None:
             raise ValueError("this Trainer has no eval_fn: pass eval_fn=... to evaluate")
-        return self.strategy.evaluate(state, self._placed(batch))
+        return self.strategy.engine.evaluate(state, self._placed(batch))
 
     def save(self, path: str, state, *, record: Optional[dict] = None, keep: int = saving.DEFAULT_KEEP) -> int:
         """Write ``state`` to the checkpoint directory ``path`` (orbax, the layout ``jaxdp train``
@@ -111,7 +122,7 @@ class Trainer:
 
     def canonical(self, state):
         """The full params and optimizer state (DDP's layout), e.g. to export or compare."""
-        return self.strategy.canonical(state)
+        return self.strategy.engine.canonical(state)
 
     def _check(self, example_batch):
         """One-line errors for a bad batch or loss_fn, before anything compiles (``jaxdp.api.validate``)."""
@@ -125,7 +136,7 @@ class Trainer:
                           for x in leaves):
             return batch  # already on the mesh
         validate.batch_splits(validate.batch_rows(batch), self.strategy.num_devices, accum_steps)
-        return self.strategy.shard_batch(batch)
+        return self.strategy.engine.shard_batch(batch)
 
 
 def classifier(model):

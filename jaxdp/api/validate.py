@@ -95,7 +95,7 @@ def check_output(out) -> None:
 
 def _micro_rows(rows: int, strategy) -> int:
     """One device's micro-batch rows for a global batch of ``rows`` (at least 1)."""
-    return max(1, rows // (strategy.num_devices * strategy.accum_steps))
+    return max(1, rows // (strategy.num_devices * strategy.options.accum_steps))
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:

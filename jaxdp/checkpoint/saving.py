@@ -2,7 +2,7 @@
 
 ``Trainer.save``/``Trainer.restore`` call these, and ``jaxdp train`` saves and resumes through
 them, so a checkpoint written by either is read by the other. The arrays are the stored layout
-(``Strategy.stored``: canonical shapes, cut over the data axis), so a state saved under one
+(``strategy.engine.stored``: canonical shapes, cut over the data axis), so a state saved under one
 strategy, mesh and device count restores under any other, each device reading only its part.
 Beside them, one JSON record (``META_FORMAT``)::
 
@@ -36,7 +36,7 @@ _OLD_RUN_KEYS = ("epoch", "step_in_epoch", "fingerprint", "data")  # jaxdp 0.2's
 def save(strategy, path: str, state, record: Optional[dict] = None, keep: int = DEFAULT_KEEP) -> int:
     """Write ``state`` as checkpoint step ``state.step`` in ``path``, the newest ``keep`` kept;
     returns the step. Every process calls it: each writes its own devices' chunks."""
-    stored = strategy.stored(state)
+    stored = strategy.engine.stored(state)
     step = int(stored.step)  # one replicated scalar (dp's own state holds one per device)
     meta = {"format": META_FORMAT, "global_step": step, "rng": _key_record(_rng_root(strategy)), "record": record}
     ckpt = Checkpointer(path, max_to_keep=keep)
@@ -57,7 +57,7 @@ def restore(strategy, path: str, example_batch, step: Optional[int] = None,
     ``check(meta)`` runs before any array is read; what it raises (a checkpoint of another run)
     is raised as is. The strategy's rng stream continues from the saved root.
     """
-    target = strategy.stored_target(strategy.abstract_state(example_batch))
+    target = strategy.engine.restore_target(example_batch)
 
     def checked(meta: dict) -> None:  # a record this jaxdp cannot read is refused here too
         meta = upgrade(meta)
@@ -76,7 +76,7 @@ def restore(strategy, path: str, example_batch, step: Optional[int] = None,
     meta = upgrade(meta, step)
     if meta["rng"] is not None:
         strategy.use_rng(jax.random.wrap_key_data(np.asarray(meta["rng"]["data"], np.uint32), impl=meta["rng"]["impl"]))
-    return strategy.from_stored(stored), meta
+    return strategy.engine.from_stored(stored), meta
 
 
 def _rng_root(strategy):

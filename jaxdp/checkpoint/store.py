@@ -1,7 +1,7 @@
 """A directory of checkpoints: orbax, atomic, verified, sharded, in a strategy-independent layout.
 
 A checkpoint holds the TrainState in the layout every strategy converts to and
-from (``Strategy.stored``: params and per-parameter optimizer state in their
+from (``strategy.engine.stored``: params and per-parameter optimizer state in their
 canonical shapes, sharded over the data axis along a dimension it divides) plus a JSON record
 (its layout: ``jaxdp.checkpoint.saving``). Each device's chunks are written by the process that
 owns them, and nothing is gathered to save. A run saved under one strategy or device count

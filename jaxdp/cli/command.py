@@ -12,7 +12,6 @@ before a command's own modules, which import jax, are loaded.
 
 import argparse
 import functools
-import math
 import sys
 from typing import List, Optional
 
@@ -27,7 +26,7 @@ from jaxdp.runtime.distributed import distributed_env
 from jaxdp.config.flags import PARSER_OPTIONS, add_arguments
 from jaxdp.run.interrupts import exit_status, interrupted_message
 from jaxdp.cli.launch import LaunchError, launch
-from jaxdp.runtime.mesh import MeshError, parse_mesh
+from jaxdp.runtime.mesh import MeshDims, MeshError
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -174,7 +173,7 @@ def _simulate_devices(args: argparse.Namespace) -> None:
     devices = getattr(args, "devices", None)
     if isinstance(getattr(args, "mesh", None), str):  # --mesh in train, inspect, parity
         try:
-            devices = devices or math.prod(parse_mesh(args.mesh).values())
+            devices = devices or MeshDims.parse(args.mesh).devices
         except MeshError:
             pass  # the command's own check says what is wrong with it, in one line
     job = distributed_env() if devices and args.command == "train" else None  # --devices is the job's total

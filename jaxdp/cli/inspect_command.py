@@ -13,10 +13,11 @@ from jaxdp.analysis.measure import InspectError, inspect_strategy
 from jaxdp.analysis.report import format_report
 from jaxdp.cli.commands import Command
 from jaxdp.config.flags import VIT_SIZES, add_arguments, add_mesh_flag, add_vit_flags, comma_ints
-from jaxdp.config.step import StrategyOptions
+from jaxdp.config.step import StrategyOptions, options_where
 
 DEFAULT_DEVICES = 8
-STRATEGY_OPTIONS = ("allreduce", "compress", "powersgd_rank", "staleness", "remat")  # what inspect passes on
+FLAGS = options_where(inspect=True)  # the strategy options whose fields say inspect takes them
+STRATEGY_OPTIONS = tuple(n for n in FLAGS if n != "mesh_shape")  # passed on; mesh_shape is inspect's own argument
 
 def add_inspect_args(p) -> None:
     from jaxdp.config import choices
@@ -26,8 +27,7 @@ def add_inspect_args(p) -> None:
     add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
                           "axis")
     # The strategy options train and parity take (their one declaration, StrategyOptions); None: the strategy's default.
-    flags = ("mesh_shape",) + STRATEGY_OPTIONS
-    add_arguments(p, StrategyOptions, flags, defaults=types.SimpleNamespace(**dict.fromkeys(flags)),
+    add_arguments(p, StrategyOptions, FLAGS, defaults=types.SimpleNamespace(**dict.fromkeys(FLAGS)),
                   compress="ddp/zero1 gradient compression (async: bf16, fp16)")
     add_model_args(p)
     p.add_argument("--batch-per-device", type=int, default=1, help="images per device per step")

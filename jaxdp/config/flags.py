@@ -116,11 +116,6 @@ def add_strategy_flags(group, defaults, *, sync_bn_help: str, staleness_help: st
     add_arguments(group, StrategyOptions, names, defaults=defaults, sync_bn=sync_bn_help, staleness=staleness_help)
 
 
-def add_remat_flag(group, default="unit") -> None:
-    """``--remat``: what a zero3/hsdp FSDP unit keeps for backward (train, parity, bench, inspect)."""
-    add_field(group, StrategyOptions.__dataclass_fields__["remat"], default)
-
-
 MESH_HELP = ("named mesh axis sizes, e.g. data=2,model=2 (axes replica, data, stage, model; their product is the "
              "device count)")
 

@@ -26,36 +26,54 @@ from jaxdp.config.fields import declared, option
 @dataclass
 class StrategyOptions:
     """The strategy and its options: a section of ``jaxdp train``'s tree (``jaxdp.config.tree``),
-    of parity's and of torch_ref's step. Each strategy takes those of the options below its
-    constructor names (``jaxdp.strategies.options_of``, its torch twin's ``torch_ref.strategies.Twin.options``);
-    the others must stay at their defaults."""
+    of parity's and of torch_ref's step. A strategy is built with them typed (``jaxdp train``
+    hands its parsed config to the strategy's class: ``jaxdp.strategies.options``, which checks
+    them in one place); each strategy takes the options its facts list (``Facts.takes``,
+    ``jaxdp.strategies.options_of``; its torch twin's ``torch_ref.strategies.Twin.options``),
+    and the others must stay at their defaults. Their metadata say how ``jaxdp parity`` pairs
+    them and whether ``jaxdp inspect`` takes them (``options_where``)."""
 
     strategy: str = option("ddp", "data-parallel strategy", numbers=False, choices=choices.STRATEGIES)
     accum_steps: int = option(1, "micro-batches per update (torch no_sync)", numbers=True, at_least=1)
     sync_bn: bool = option(False, "global BatchNorm statistics (SyncBatchNorm)", numbers=True)
     bucket_cap_mb: Optional[float] = option(
         registry.BUCKET_CAP_MB, "ddp gradient bucket size in MiB (inf: one bucket; default: torch's, a 1 MiB first "
-        "bucket, then 25)", numbers=False, strategy_option=True)
+        "bucket, then 25)", numbers=False, strategy_option=True, parity="paired")
+    # How jaxdp sums: gloo and nccl pick their own algorithm, so any value runs against the same twin.
     allreduce: str = option("psum", "ddp, zero1: psum, or ring (reduce-scatter + all-gather written out)",
-                            numbers=True, choices=choices.ALLREDUCES, strategy_option=True)
+                            numbers=True, choices=choices.ALLREDUCES, strategy_option=True, parity="jax-only",
+                            inspect=True)
     compress: Optional[str] = option(None, "ddp/zero1 gradient compression (default: none)", numbers=True,
-                                     choices=choices.COMPRESSIONS, strategy_option=True)
-    powersgd_rank: int = option(1, "powersgd: rank of P and Q", numbers=True, strategy_option=True)
+                                     choices=choices.COMPRESSIONS, strategy_option=True, parity="paired", inspect=True)
+    powersgd_rank: int = option(1, "powersgd: rank of P and Q", numbers=True, strategy_option=True, parity="paired",
+                                inspect=True)
+    # Not a pair option of its own: it rides with --compress powersgd (parity hands it to both sides).
     powersgd_start_iter: int = option(
         1000, "powersgd: plain all-reduce for the first N steps (torch's start_powerSGD_iter; >= 2)", numbers=True,
         strategy_option=True)
-    staleness: int = option(0, "async: max staleness k of worker weights", numbers=True, strategy_option=True)
+    # async's bound: torch has no bounded-staleness parameter server; staleness 0 runs against DDP.
+    staleness: int = option(0, "async: max staleness k of worker weights", numbers=True, strategy_option=True,
+                            at_least=0, parity="jax-only", inspect=True)
     mesh_shape: Optional[Tuple[int, int]] = option(None, "hsdp: replicas,shards", numbers=False,
-                                                   strategy_option=True)
+                                                   strategy_option=True, parity="paired", inspect=True)
+    # What ZeRO-3 keeps for backward: FSDP2 keeps the activations, and recomputing them changes no number.
     remat: str = option("unit", "zero3, hsdp: unit = keep each unit's input and recompute it in backward (least "
                                 "memory); none = keep its activations, gather its params again (FSDP2's default)",
-                        numbers=False, choices=choices.REMATS, strategy_option=True)
+                        numbers=False, choices=choices.REMATS, strategy_option=True, parity="jax-only", inspect=True,
+                        hint=" (what an FSDP unit keeps for backward)")
 
     # (a class attribute, not a field: the options a strategy may take, beside strategy, accum_steps, sync_bn)
     STRATEGY_OPTIONS = ()
 
 
 StrategyOptions.STRATEGY_OPTIONS = tuple(f.name for f in declared(StrategyOptions) if f.metadata["strategy_option"])
+
+
+def options_where(**metadata) -> Tuple[str, ...]:
+    """The strategy options whose field metadata have these values, in declaration order:
+    ``options_where(inspect=True)``, ``options_where(parity="jax-only")``."""
+    return tuple(f.name for f in declared(StrategyOptions) if f.metadata["strategy_option"]
+                 and all(f.metadata[k] == v for k, v in metadata.items()))
 
 
 @dataclass

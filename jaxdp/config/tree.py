@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 from jaxdp.config import choices
 from jaxdp.config.flags import MESH_HELP, flag_name, step_range
-from jaxdp.runtime.mesh import MeshError, mesh_sizes  # jax-free at import
+from jaxdp.runtime.mesh import MeshDims, MeshError, mesh_sizes  # jax-free at import
 from jaxdp.config.fields import fingerprint as number_fingerprint
 from jaxdp.config.fields import declared, option
 from jaxdp.config.step import StrategyOptions
@@ -169,13 +169,9 @@ def mesh_devices(cfg: TrainConfig) -> Optional[int]:
     if cfg.mesh is None:
         return cfg.devices
     try:
-        sizes = mesh_sizes(cfg.mesh, cfg.devices)
+        return MeshDims.named(**mesh_sizes(cfg.mesh, cfg.devices)).devices
     except MeshError as e:
         raise TrainError(str(e)) from None
-    total = 1
-    for size in sizes.values():
-        total *= size
-    return total
 
 
 def check_config(cfg: TrainConfig) -> None:

@@ -7,7 +7,7 @@ offsets and flip bits), one small int32 array: (id, dy, dx, flip) per sample, 16
 where a host batch sends a 12 KiB float32 image (3 KiB as uint8). On the devices, inside a jitted
 ``shard_map`` over the batch axes, each data-parallel device gathers its own rows, pads
 and crops them, flips them and normalises them. The result is laid out exactly as
-``strategy.shard_batch`` lays out a host batch, so the step cannot tell the two apart;
+``strategy.engine.shard_batch`` lays out a host batch, so the step cannot tell the two apart;
 tests/test_device_data.py checks the values against ``epoch_batches``: uint8 crops and
 normalised values bit for bit.
 
@@ -81,7 +81,7 @@ def local_batch(images, labels, draws):
 def on_batch_rows(strategy, fn, replicated: int = 0):
     """``fn`` jitted and ``shard_map``ped over ``strategy``'s mesh: its first ``replicated``
     arguments whole on every device, the last one's rows split over the batch axes as
-    ``strategy.shard_batch`` splits a batch, and so is the result."""
+    ``strategy.engine.shard_batch`` splits a batch, and so is the result."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -126,7 +126,7 @@ class DeviceDataset:
 
     def place(self, draws: np.ndarray):
         """This process's rows of draws (ranks, b, 4) -> the global draws, laid out like a batch."""
-        return self.strategy.shard_batch({"draws": draws.reshape(-1, 4)})["draws"]
+        return self.strategy.engine.shard_batch({"draws": draws.reshape(-1, 4)})["draws"]
 
     def batch(self, draws: np.ndarray) -> dict:
         """The step's batch {"image", "label"}, built on the devices (dispatched, not waited for)."""

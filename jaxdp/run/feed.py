@@ -1,7 +1,7 @@
 """Where ``jaxdp train``'s batches come from: the training set on the devices, or the host.
 
 Both feeds hand the loop the same thing, each step's batch on the mesh (split over the
-batch axes as ``strategy.shard_batch`` splits it) and its dataset ids, and both equal
+batch axes as ``strategy.engine.shard_batch`` splits it) and its dataset ids, and both equal
 ``epoch_batches``: the same DistributedSampler rows (``epoch_indices``), the same crops
 and flips (``augment_params``), the same float32 values. They differ in what crosses
 to the devices per step:
@@ -113,7 +113,7 @@ class HostFeed(_Feed):
         def place(item):
             images, ids = item
             batch = {"image": flat_rows(images), "label": flat_rows(train.labels[ids].astype(np.int32))}
-            return self._normalized(self.strategy.shard_batch(batch)), ids
+            return self._normalized(self.strategy.engine.shard_batch(batch)), ids
 
         return Prefetcher(crops, size=AHEAD, transform=place)
 

@@ -6,7 +6,6 @@ alone takes seconds), all of it before anything is written.
 """
 
 import functools
-import math
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
@@ -19,14 +18,13 @@ from jaxdp.config.tree import (TrainConfig, TrainError, batchnorm_batch_error, c
                           total_steps)
 from jaxdp.data import load_dataset
 from jaxdp.runtime.distributed import join_job
-from jaxdp.config.flags import flag_name
-from jaxdp.runtime.mesh import (DATA_AXIS, REPLICA_AXIS, STAGE_AXIS, MeshError, axis_size, make_mesh, parse_mesh,
-                                replica_split)
+from jaxdp.runtime.mesh import STAGE_AXIS, MeshDims, make_mesh
 from jaxdp.models import ModelError, create_model, fsdp_units
 from jaxdp.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule
 from jaxdp.run.perf import enable_compile_cache
 from jaxdp.runtime.startup import preset_device_count
-from jaxdp.strategies import StrategyError, options_of
+from jaxdp.strategies import facts
+from jaxdp.strategies.options import checked
 from jaxdp.api.trainer import StrategySpec, Trainer, classifier
 
 IMAGE_SHAPE = (32, 32, 3)  # CIFAR-10, the synthetic set and digits (padded)
@@ -57,9 +55,9 @@ def build(cfg: TrainConfig) -> Setup:
     check_choice("strategy", cfg.strategy, registry.names())  # now: a strategy registered late too
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     check_choice("schedule", cfg.schedule, SCHEDULES)
-    options = strategy_options(cfg)
-    mesh = _make_mesh(cfg.devices, cfg.mesh, options.pop("mesh_shape", None))
-    n = data_parallel_size(mesh)
+    checked(facts(cfg.strategy), cfg, {})  # its options, refused before anything is built (strategies.options)
+    mesh = _make_mesh(cfg.devices, cfg.mesh, cfg.mesh_shape)
+    n = MeshDims.of(mesh).data_parallel
     per_device = per_device_batch(cfg, n)
     pipeline = _pipeline_options(cfg, mesh, per_device)
     _check_batchnorm_batch(model, cfg, n)
@@ -69,22 +67,19 @@ def build(cfg: TrainConfig) -> Setup:
     schedule = make_schedule(cfg.schedule, cfg.lr, total, **cfg.schedule_options(steps))
     tx = make_optimizer(cfg.optimizer, schedule, momentum=cfg.momentum, nesterov=cfg.nesterov,
                         weight_decay=cfg.weight_decay)
-    if "units" in options_of(cfg.strategy) and not pipeline:  # a stage's vector is its one unit
-        options["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
-    spec = StrategySpec(cfg.strategy, dict(accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, seed=cfg.seed,
-                                           log_grad_norm=True, **options, **pipeline))
-    trainer = Trainer(model, classifier(model), tx, spec, mesh)
+    wiring = dict(seed=cfg.seed, log_grad_norm=True, **pipeline)
+    if "units" in facts(cfg.strategy).takes and not pipeline:  # a stage's vector is its one unit
+        wiring["units"] = fsdp_units(model)  # the model family's FSDP units (jaxdp.models)
+    # The parsed config is the strategy's typed options (TrainConfig is a StrategyOptions): it goes
+    # as it is, through the Trainer, to the strategy's class (docs/architecture.md, "an option's way").
+    trainer = Trainer(model, classifier(model), tx, StrategySpec(cfg.strategy, wiring, config=cfg), mesh)
     return Setup(trainer, schedule, train_set, test_set, per_device, steps, total)
-
-
-def data_parallel_size(mesh) -> int:
-    """How many ways each batch is split: the data (and replica) axes, not model or stage."""
-    return axis_size(mesh, DATA_AXIS) * axis_size(mesh, REPLICA_AXIS)
 
 
 def _pipeline_options(cfg: TrainConfig, mesh, per_device: int) -> dict:
     """``microbatches`` for a mesh with a stage axis; each accumulation step's batch must split into them."""
-    stages = axis_size(mesh, STAGE_AXIS)
+    dims = MeshDims.of(mesh)
+    stages = dims.size(STAGE_AXIS)
     if stages == 1:
         if cfg.microbatches is not None:
             raise TrainError("--microbatches are pipeline micro-batches: give --mesh a stage axis (e.g. data=2,stage=2)")
@@ -94,34 +89,22 @@ def _pipeline_options(cfg: TrainConfig, mesh, per_device: int) -> dict:
     if micro_batch % m:
         raise TrainError(f"{micro_batch} images per device and accumulation step do not split into {m} pipeline "
                          f"micro-batches: pick a --global-batch-size that is a multiple of "
-                         f"{cfg.accum_steps * m * data_parallel_size(mesh)} or change --microbatches")
+                         f"{cfg.accum_steps * m * dims.data_parallel} or change --microbatches")
     return {"microbatches": m}
 
 
 def _make_mesh(devices: Optional[int], named: Optional[str] = None, mesh_shape=None):
-    """``make_mesh``, saying so when ``--devices N`` could not simulate N CPU devices
-    because XLA_FLAGS already fixed their count. ``--mesh-shape R,S`` is the mesh's replica x
-    data degrees written short: it splits the data axis (one mesh, whichever way it is spelled)."""
-    sizes = None
-    if named is not None or mesh_shape is not None:
-        sizes = parse_mesh(named) if named is not None else {DATA_AXIS: devices or len(jax.devices())}
-        if mesh_shape is not None:
-            sizes = _with_replicas(sizes, mesh_shape)
-        devices = math.prod(sizes.values())
-
+    """The run's mesh: ``--mesh`` (or ``--devices`` data-parallel devices), its data-parallel devices
+    split into ``--mesh-shape R,S`` = replica x data degrees if given (one mesh, whichever way it is
+    spelled); checked once against the devices there are (``MeshDims``), saying so when ``--devices N``
+    could not simulate N CPU devices because XLA_FLAGS already fixed their count."""
     available = jax.devices()
-    preset = preset_device_count()
-    if devices and devices > len(available) and preset and available[0].platform == "cpu":
-        raise MeshError(f"asked for {devices} devices but only {len(available)} are available: XLA_FLAGS "
-                        f"sets {preset}, which --devices does not override; change or unset it")
-    return make_mesh(**sizes) if sizes is not None else make_mesh(devices)
-
-
-def _with_replicas(sizes: dict, mesh_shape) -> dict:
-    """``sizes`` with its data-parallel devices split into ``mesh_shape`` = (replicas, shards)."""
-    n = sizes.get(DATA_AXIS, 1) * sizes.get(REPLICA_AXIS, 1)
-    r, s = replica_split(mesh_shape, n, f"--mesh-shape {','.join(map(str, mesh_shape))}")
-    return {**sizes, REPLICA_AXIS: r, DATA_AXIS: s}
+    dims = MeshDims.parse(named) if named is not None else MeshDims(data=devices or len(available))
+    if mesh_shape is not None:
+        dims = dims.with_replicas(mesh_shape, f"--mesh-shape {','.join(map(str, mesh_shape))}")
+    dims.check_devices(len(available), platform=available[0].platform, processes=jax.process_count(),
+                       preset=preset_device_count())
+    return make_mesh(**dims.sizes())
 
 
 def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:
@@ -139,26 +122,8 @@ def _check_batchnorm_batch(model, cfg: TrainConfig, devices: int) -> None:
         raise batchnorm_batch_error(cfg, devices, e) from None
 
 
-def strategy_options(cfg: TrainConfig) -> dict:
-    """The options ``cfg.strategy`` takes; a changed option it does not take is an error."""
-    if cfg.strategy not in registry.names():
-        return {}  # create_strategy names the valid choices
-    accepted = options_of(cfg.strategy)
-    defaults = TrainConfig()
-    options = {}
-    for name in TrainConfig.STRATEGY_OPTIONS:
-        value = getattr(cfg, name)
-        if name == "powersgd_start_iter" and "powersgd_options" in accepted:
-            options["powersgd_options"] = {"start_iter": value}  # PowerSGD's own name for it
-        elif name in accepted:
-            options[name] = value
-        elif value != getattr(defaults, name):
-            raise StrategyError(f"{flag_name(name)} does not apply to strategy {cfg.strategy!r}")
-    return options
-
-
 def example_batch(model, image_shape=IMAGE_SHAPE) -> dict:
-    """A batch of shapes only, for ``Strategy.init``/``abstract_state`` (params do not depend on the values)."""
+    """A batch of shapes only, for ``strategy.engine.init``/``restore_target`` (params do not depend on the values)."""
     return {"image": np.zeros((1, *image_shape), np.dtype(model.dtype)), "label": np.zeros((1,), np.int32)}
 
 

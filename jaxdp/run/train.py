@@ -1,4 +1,4 @@
-"""The training loop: data -> strategy.step -> records, evaluation and checkpoints.
+"""The training loop: data -> Trainer.step -> records, evaluation and checkpoints.
 
 It knows nothing about which strategy runs; it drives a ``jaxdp.Trainer`` as a user would:
 init or restore, step, evaluate, save (``Trainer.save``, with the run's record). What it builds
@@ -137,7 +137,7 @@ class _Run:
         barrier("init")  # the processes finish compiling the init at different times (see distributed.barrier)
         if self.is_main and cfg.progress:
             print(startup_header(cfg, self.strategy, self.state, setup.per_device), file=sys.stderr, flush=True)
-        tp = getattr(self.strategy, "tp", None)
+        tp = self.strategy.model_split
         if self.is_main and tp is not None and tp.note:  # a layer left unsplit: said even without progress
             print(f"tensor parallelism: {tp.note}", file=sys.stderr, flush=True)
         self.feed, feed_line = make_feed(cfg, setup, self.ranks)  # the training set on the devices, or the host
@@ -259,7 +259,7 @@ class _PendingRecords:
 def _utilisation(run: _Run, batch):
     """Compile the first step ahead of time (the steps then run that program) for its memory;
     the model's FLOPs per image (``jaxdp.run.flops``) for MFU, counted only where there is a peak."""
-    compiled = run.strategy.compile_step(run.state, batch)
+    compiled = run.strategy.engine.compile_step(run.state, batch)
     barrier("step compiled")  # see distributed.barrier: the first step's collectives find everyone
     device = next(d for d in run.strategy.mesh.devices.flat if d.process_index == jax.process_index())
     peak = peak_flops(device.device_kind, run.cfg.dtype, run.cfg.peak_flops)

@@ -61,61 +61,45 @@ from jaxdp.strategies.sync.allreduce import AllReduce
 
 # DDP's facts (the history, k params copies, is replicated ``extra``), but a twin only for k = 0.
 FACTS = dataclasses.replace(ddp.FACTS, name="async", twin_when={"staleness": 0},
-                            twin="DDP, staleness 0 only (torch has no bounded-staleness parameter server)")
+                            twin="DDP, staleness 0 only (torch has no bounded-staleness parameter server)",
+                            takes=frozenset({"staleness", "staleness_seed", "bucket_cap_mb", "allreduce", "compress"}))
 
 
 class AsyncPS(Strategy):
     facts = FACTS
     model_parallel = False  # the whole model on every device
 
-    def __init__(self, model, task, tx, mesh, *, staleness: int = 0, staleness_seed: int = 0, bucket_cap_mb=None,
-                 allreduce: str = "psum", compress=None, **kwargs):
-        super().__init__(model, task, tx, mesh, **kwargs)
-        if staleness < 0:
-            raise StrategyError(f"staleness must be >= 0, got {staleness}")
-        if compress == "powersgd":
+    def __init__(self, model, task, tx, mesh, options=None, *, staleness_seed: int = 0, **kwargs):
+        super().__init__(model, task, tx, mesh, options, **kwargs)
+        if self.options.compress == "powersgd":
             raise StrategyError("async does not combine with powersgd: the server averages plain gradients "
                                 "(bf16/fp16 compression works)")
-        self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress)
-        self.check_vma = allreduce != "ring"
-        self.staleness = staleness
+        self.sync = AllReduce.of(self.options)
+        self.check_vma = self.options.allreduce != "ring"
         self.staleness_seed = staleness_seed
 
     def init_extra(self, params):
-        if self.staleness == 0:
+        """The history: every slot starts as theta_0, the params the state starts from (what
+        max(0, t - d) reads before k updates exist)."""
+        if self.options.staleness == 0:
             return None
         return {"history": jax.tree_util.tree_map(
-            lambda x: jnp.broadcast_to(jnp.zeros(x.shape, x.dtype), (self.staleness,) + tuple(x.shape)), params)}
-
-    def from_canonical(self, state):
-        # Every history slot starts as theta_0 (what max(0, t - d) reads before k updates exist).
-        if self.staleness and state.extra is None:
-            state = state.replace(extra={"history": jax.tree_util.tree_map(
-                lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), state.params)})
-        return super().from_canonical(state)
-
-    def init(self, rng, example_batch):
-        state = super().init(rng, example_batch)
-        if self.staleness == 0:
-            return state
-        history = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (self.staleness,) + x.shape), p),
-                          out_shardings=self.state_shardings(state).extra["history"])(state.params)
-        return state.replace(extra={"history": history})
+            lambda x: jnp.broadcast_to(x, (self.options.staleness,) + tuple(x.shape)), params)}
 
     # -- per device (one worker) ----------------------------------------------------------------
     def worker_delay(self, step):
         """d_{t,i} in [0, k]: how many updates old the params are that this worker read for update ``step``."""
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.staleness_seed), step),
                                  jax.lax.axis_index(self.axis))
-        return jax.random.randint(key, (), 0, self.staleness + 1)
+        return jax.random.randint(key, (), 0, self.options.staleness + 1)
 
     def params_read(self, state):
         """theta_{max(0, t - d)} for this worker: the current params or a ring-buffer slot."""
         current = jax.lax.pcast(state.params, self.axis, to="varying")
-        if self.staleness == 0:
+        if self.options.staleness == 0:
             return current
         delay = self.worker_delay(state.step)
-        slot = (state.step - delay) % self.staleness  # t - d < 0 lands on a slot still holding theta_0
+        slot = (state.step - delay) % self.options.staleness  # t - d < 0 lands on a slot still holding theta_0
         return jax.tree_util.tree_map(
             lambda p, h: jnp.where(delay == 0, p, jax.lax.dynamic_index_in_dim(h, slot, 0, keepdims=False)),
             current, state.extra["history"])
@@ -123,11 +107,11 @@ class AsyncPS(Strategy):
     def local_step(self, state, batch):
         loss, grads, model_state, metrics = local_grads(
             self.task.loss_fn, self.params_read(state), state.model_state, batch, self.step_key(state.step),
-            self.accum_steps)
+            self.options.accum_steps)
         grads, _ = self.sync.update(grads, None, self.where(state.step))  # the server's average
         extra = state.extra
-        if self.staleness:
-            slot = state.step % self.staleness  # theta_t replaces theta_{t-k}, which no later update reads
+        if self.options.staleness:
+            slot = state.step % self.options.staleness  # theta_t replaces theta_{t-k}, which no later update reads
             extra = {"history": jax.tree_util.tree_map(lambda h, p: jax.lax.dynamic_update_index_in_dim(h, p, slot, 0),
                                                        state.extra["history"], state.params)}
         return ddp.replicated_update(self, state, loss, grads, model_state, metrics, extra)

@@ -1,10 +1,11 @@
-"""``Strategy``: what every strategy shares, and the front its users call.
+"""``Strategy``: the hooks a strategy writes, and what they share.
 
 A strategy says only *where state lives* (``facts.sharded``, ``state_specs``) and *what one device
-does* (``local_step``): its hooks, listed in ``hooks.StrategyHooks``. It never names a model. The
-engine (``engine.py``) compiles and dispatches the step; ``conversions.py`` moves the state between
-the strategy's layout, the canonical one and the checkpoint's; ``device_math.py`` holds the
-per-device math the steps are written in.
+does* (``local_step``): its hooks, listed in ``hooks.StrategyHooks``. It never names a model. Its
+engine (``strategy.engine``, ``engine.py``) is what callers run: ``init``, ``step``, ``evaluate``,
+``canonical``, ``stored``, ... ; ``conversions.py`` moves the state between the strategy's layout,
+the canonical one and the checkpoint's; ``device_math.py`` holds the per-device math the steps are
+written in. ``Strategy`` itself holds no forward to either.
 
 The check_vma gradient trap: params that enter shard_map replicated (``P()``) would get gradients
 that autodiff has already summed over the axis, because the implicit broadcast to "varying"
@@ -12,18 +13,18 @@ transposes to a psum. Strategies therefore cast params to varying themselves bef
 ``local_grads``, so each device's gradient is its own and every strategy states its reduction.
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.runtime import compile_options
-from jaxdp.runtime.mesh import DATA_AXIS
+from jaxdp.runtime.mesh import DATA_AXIS, MeshDims, MeshError
 from jaxdp.parallel import pipeline, protocol, staged, tensor
+from jaxdp.config.step import StrategyOptions
 from jaxdp.strategies.state import TrainState
-from jaxdp.strategies import conversions, layout
+from jaxdp.strategies import layout
 from jaxdp.strategies.sync import Where
 from jaxdp.strategies.sync.buckets import insertion_order_paths
 from jaxdp.strategies.device_math import as_tuple, device_index
@@ -32,6 +33,7 @@ from jaxdp.strategies.device_math import (broadcast_from, ddp_buffers, local_gra
 from jaxdp.strategies.engine import ShardMapEngine
 from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.factsheet import Facts
+from jaxdp.strategies.options import checked
 from jaxdp.strategies.placement import Placement
 from jaxdp.strategies.step_reductions import StepReductions
 
@@ -54,7 +56,7 @@ class Strategy(StepReductions):
         """Per-device sums of ``eval_fn`` over this device's batch (ZeRO-3 gathers per unit)."""
         return self.eval_task.eval_fn(state.params, state.model_state, batch)
 
-    def init_extra(self, shapes):
+    def init_extra(self, params):
         return None
 
     def extra_specs(self, extra):
@@ -63,6 +65,9 @@ class Strategy(StepReductions):
     def learn_units(self, init, batch):
         return jax.eval_shape(init, batch)
 
+    def mesh_for(self, mesh):
+        return mesh
+
     @classmethod
     def facts_for(cls, **fixed) -> Facts:
         """The facts under the options a registry name fixes (a class serving several names overrides this)."""
@@ -70,21 +75,12 @@ class Strategy(StepReductions):
 
     # -- what the facts say ----------------------------------------------------------------------
     @property
-    def name(self) -> str:
-        return self.facts.name
-
-    @property
     def sharded_params(self) -> bool:  # ZeRO-3: params live as chunks (layout.py)
         return "params" in self.facts.sharded
 
     @property
     def sharded_opt_state(self) -> bool:  # ZeRO-1/2/3: per-parameter optimizer tensors live as chunks
         return "opt" in self.facts.sharded
-
-    @property
-    def tp(self):
-        """``model_split`` under its short name (analysis and tests read it)."""
-        return self.model_split
 
     @property
     def local_shapes(self):
@@ -95,20 +91,22 @@ class Strategy(StepReductions):
         return place.tree(lambda path, s: jax.ShapeDtypeStruct(place.local_shape(path, s.shape), s.dtype),
                           self.shapes, "params")
 
-    def __init__(self, model, task, tx, mesh, *, accum_steps: int = 1, sync_bn: bool = False,
-                 axis: str = DATA_AXIS, return_grads: bool = False, seed: int = 0, tp_plan=None,
-                 log_grad_norm: bool = False, microbatches: Optional[int] = None, compiler_options=None):
-        if accum_steps < 1:
-            raise StrategyError(f"accum_steps must be >= 1, got {accum_steps}")
+    def __init__(self, model, task, tx, mesh, options: Optional[StrategyOptions] = None, *, axis: str = DATA_AXIS,
+                 return_grads: bool = False, seed: int = 0, tp_plan=None, log_grad_norm: bool = False,
+                 microbatches: Optional[int] = None, compiler_options=None, **option_keywords):
+        """``options``: the config tree's typed strategy options (``jaxdp train``'s parsed config
+        itself), None for the defaults; ``option_keywords``: options as keywords (``remat="none"``,
+        a registry name's fixed ones). Both are checked once, here (``options.checked``), and kept
+        as ``self.options``; the other keywords are what a program wires in."""
+        self.options = checked(self.facts, options, option_keywords)
+        mesh = self.mesh_for(mesh)
         if axis not in mesh.axis_names:
-            raise StrategyError(f"mesh has axes {mesh.axis_names}, strategy {self.name} needs {axis!r}")
+            raise StrategyError(f"mesh has axes {mesh.axis_names}, strategy {self.facts.name} needs {axis!r}")
         self.mesh = mesh
         self.axis = axis
         self.num_devices = int(np.prod([mesh.shape[a] for a in as_tuple(self.batch_axes)]))
         self.shards = mesh.shape[axis]  # how many ways sharded state is cut (HSDP: the shard group)
         self.tx = tx
-        self.accum_steps = accum_steps
-        self.sync_bn = sync_bn
         self.seed = seed
         self.return_grads = return_grads  # parity checks compare the averaged gradients too (costs memory)
         self.log_grad_norm = log_grad_norm  # the trainer logs it; off by default (one more collective)
@@ -117,7 +115,10 @@ class Strategy(StepReductions):
             self.compiler_options = compile_options.resolve(compiler_options, mesh.devices.flat[0].platform)
         except compile_options.CompileOptionsError as e:
             raise StrategyError(str(e)) from None
-        _check_mesh_axes(self, mesh)
+        try:  # the mesh's degrees against what this strategy splits (runtime.mesh.MeshDims)
+            MeshDims.of(mesh).check_for(self.facts.name, as_tuple(self.batch_axes), self.model_parallel)
+        except MeshError as e:
+            raise StrategyError(str(e)) from None
         try:
             tensor_parallel = tensor.for_mesh(model, mesh, tp_plan)  # over the mesh's model axis, if any
             self.pp = pipeline.for_mesh(model, mesh, microbatches, as_tuple(self.batch_axes))  # its stage axis
@@ -132,6 +133,7 @@ class Strategy(StepReductions):
         self.init_model = _with_bn_axis(model, None)  # model.init runs outside shard_map: no axes
         if self.pp is not None:
             self.init_model = pipeline.StackedInit(self.init_model, self.pp)
+        sync_bn = self.options.sync_bn
         if sync_bn and not hasattr(model, "bn_axis_name"):
             raise StrategyError("sync_bn needs a model whose BatchNorm takes its reduction axes as `bn_axis_name`")
         self.model = self._in_mesh(_with_bn_axis(model, self.batch_axes if sync_bn else None))
@@ -152,73 +154,6 @@ class Strategy(StepReductions):
         """The model as it runs inside ``shard_map``: tensor-parallel over ``model`` if the mesh says so."""
         split = self.model_split
         return model if split is None or self.pp is not None else model.clone(model_axis=split.axis)
-
-    # -- the front: state, steps, layouts (each the engine's) ---------------------------------------
-    def init(self, rng, example_batch) -> TrainState:
-        """A fresh state, each device creating only its own shards (``ShardMapEngine.init``)."""
-        return self.engine.init(rng, example_batch)
-
-    def init_programs(self, example_batch):
-        return self.engine.init_programs(example_batch)
-
-    def init_state(self, variables) -> TrainState:
-        """A state from given full variables (``{"params": ..., "batch_stats": ...}``): tests and parity."""
-        variables = dict(variables)
-        params = variables.pop("params")
-        return self.from_canonical(TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                              model_state=variables, opt_state=self.tx.init(params)))
-
-    def step(self, state: TrainState, batch):
-        return self.engine.step(state, batch)
-
-    def evaluate(self, state: TrainState, batch) -> Dict[str, Any]:
-        """``eval_fn``'s sums over the global batch."""
-        return self.engine.evaluate(state, batch)
-
-    def lower_step(self, state: TrainState, batch):
-        """The lowered training step, for HLO and memory inspection."""
-        return self.engine.lower_step(state, batch)
-
-    def compile_step(self, state: TrainState, batch):
-        """The step compiled for these arguments; ``step`` runs this program from then on."""
-        return self.engine.compile_step(state, batch)
-
-    def shard_batch(self, batch):
-        """A host batch (this process's rows of a pytree) -> global arrays split over the batch axes."""
-        return self.engine.shard_batch(batch)
-
-    def canonical(self, state: TrainState) -> TrainState:
-        """The state in the plain DDP layout: full params and optimizer state, replicated. A copy,
-        as every strategy's: the next ``step`` donates (deletes) the state's arrays."""
-        return self.engine.canonical(state)
-
-    def from_canonical(self, state: TrainState) -> TrainState:
-        """DDP's layout (full tensors, e.g. from torch or a single device) -> this strategy's, on this mesh."""
-        return self.engine.from_canonical(state)
-
-    def stored(self, state: TrainState) -> TrainState:
-        """This strategy's state -> the checkpoint layout: no device gathers anything whole."""
-        return self.engine.stored(state)
-
-    def from_stored(self, stored: TrainState) -> TrainState:
-        """The checkpoint layout -> this strategy's state (at this strategy's device count)."""
-        return self.engine.from_stored(stored)
-
-    # The same for every engine (conversions.py): each takes the strategy as its first argument.
-    stored_target = conversions.stored_target
-    stored_specs = conversions.stored_specs
-    stored_shardings = conversions.stored_shardings
-    abstract_state = conversions.abstract_state
-    canonical_grads = conversions.canonical_grads
-    _padder = conversions.padder  # the canonical -> this strategy's conversion itself (tests compile it)
-
-    @property
-    def _jit_step(self):  # the compiled step, None until the first step (tests read whether one ran)
-        return getattr(self.engine, "jit_step", None)
-
-    @property
-    def _jit_eval(self):
-        return getattr(self.engine, "jit_eval", None)
 
     # -- learning the model's structure (abstractly: nothing is computed) -------------------------
     def init_fn(self, rng, batch):
@@ -287,21 +222,6 @@ class Strategy(StepReductions):
         root = jax.random.key(self.seed) if self.rng_root is None else self.rng_root
         key = jax.random.fold_in(root, step)
         return jax.random.fold_in(key, device_index(self.batch_axes))
-
-
-def _check_mesh_axes(strategy, mesh) -> None:
-    from jaxdp.runtime.mesh import MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS, axis_size
-
-    replicas = axis_size(mesh, REPLICA_AXIS)
-    if replicas > 1 and REPLICA_AXIS not in as_tuple(strategy.batch_axes):
-        # Its batch would be split over data alone while the loader splits it over replica x data too.
-        raise StrategyError(f"{strategy.name} has no replica degree, but the mesh has replica={replicas}: "
-                            f"replicate x shard is zero3's (hsdp); give {strategy.name} the devices as data=N")
-
-    for axis in (MODEL_AXIS, STAGE_AXIS):
-        if axis_size(mesh, axis) > 1 and not strategy.model_parallel:
-            raise StrategyError(f"{strategy.name} runs over the data axis only, but the mesh has "
-                                f"{axis}={axis_size(mesh, axis)}: use ddp, zero1, zero2 or zero3 with a {axis} axis")
 
 
 def _full_specs(specs, tree):

@@ -24,7 +24,7 @@ from jaxdp.strategies.errors import StrategyError
 
 def need_shapes(strategy) -> None:
     if strategy.shapes is None:
-        raise StrategyError(f"{strategy.name}: build a state with init/init_state first (it fixes the params' shapes)")
+        raise StrategyError(f"{strategy.facts.name}: build a state with init/init_state first (it fixes the params' shapes)")
 
 
 # ----------------------------------------------------------------------------- canonical
@@ -39,8 +39,8 @@ def canonical(strategy, state: TrainState) -> TrainState:
 def from_canonical(strategy, state: TrainState) -> TrainState:
     pp = strategy.pp
     strategy.shapes = layout.shapes_of(state.params if pp is None else jax.eval_shape(pp.stack, state.params))
-    if state.extra is None and strategy.init_extra(strategy.shapes) is not None:
-        state = state.replace(extra=strategy.init_extra(strategy.shapes))
+    if state.extra is None:  # the strategy's own state for these params (async's history starts as them)
+        state = state.replace(extra=strategy.init_extra(state.params if pp is None else strategy.shapes))
     state = jax.device_put(state, NamedSharding(strategy.mesh, P()))  # a plain transfer first
     return converted(strategy, "from_canonical", lambda: padder(strategy), state, strategy.state_shardings)
 
@@ -180,10 +180,10 @@ def abstract_state(strategy, example_batch) -> TrainState:
     def padded(tree, zero):
         return place.tree(lambda path, s: jax.ShapeDtypeStruct(place.state_shape(path, s.shape, zero), s.dtype),
                           tree, "params")
-    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=padded(shapes, strategy.sharded_params),
-                       model_state=model_state,
+    state_params = padded(shapes, strategy.sharded_params)
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=state_params, model_state=model_state,
                        opt_state=jax.eval_shape(strategy.tx.init, padded(shapes, strategy.sharded_opt_state)),
-                       extra=jax.eval_shape(lambda: strategy.init_extra(shapes)))
+                       extra=jax.eval_shape(strategy.init_extra, state_params))
     return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                   state, strategy.state_shardings(state))
 

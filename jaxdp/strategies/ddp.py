@@ -25,23 +25,25 @@ from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.sync.allreduce import AllReduce, refuse_with_tensor_parallel
 
-FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)",
+# DDP's all-reduce and its hooks: the options DDP (and zero1, which all-reduces as DDP) takes.
+ALL_REDUCE_OPTIONS = frozenset({"bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "powersgd_start_iter",
+                                "powersgd_options"})
+FACTS = Facts("ddp", twin="DistributedDataParallel (broadcast_buffers; optional comm hook)", takes=ALL_REDUCE_OPTIONS,
               traffic=lambda s: s.allreduce, traffic_text="{allreduce}")  # nothing is sharded: one all-reduce
 
 
 class DDP(Strategy):
     facts = FACTS
 
-    def __init__(self, model, task, tx, mesh, *, bucket_cap_mb=None, allreduce: str = "psum", compress=None,
-                 powersgd_rank: int = 1, powersgd_options=None, **kwargs):
-        super().__init__(model, task, tx, mesh, **kwargs)
-        refuse_with_tensor_parallel(self, allreduce, compress)
-        self.sync = AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
-                              powersgd_rank=powersgd_rank, powersgd_options=powersgd_options)
+    def __init__(self, model, task, tx, mesh, options=None, *, powersgd_options=None, **kwargs):
+        super().__init__(model, task, tx, mesh, options, **kwargs)
+        o = self.options
+        refuse_with_tensor_parallel(self, o.allreduce, o.compress)
+        self.sync = AllReduce.of(o, powersgd_options)
         # A ring sum comes out of ppermutes, which JAX types as "varying" although every
         # device holds the same value, and there is no cast back to replicated: so the
         # ring step is traced with check_vma=False (gradients stay local: see base.py, the check_vma trap).
-        self.check_vma = allreduce != "ring"
+        self.check_vma = o.allreduce != "ring"
 
     def init_extra(self, params):
         return self.sync.init(params, self.num_devices)
@@ -52,7 +54,7 @@ class DDP(Strategy):
     def local_step(self, state, batch):
         params = jax.lax.pcast(state.params, self.axis, to="varying")  # each device's own grads
         loss, grads, model_state, metrics = local_grads(
-            self.task.loss_fn, params, state.model_state, batch, self.step_key(state.step), self.accum_steps)
+            self.task.loss_fn, params, state.model_state, batch, self.step_key(state.step), self.options.accum_steps)
         grads, extra = self.sync.update(grads, state.extra, self.where(state.step))
         return replicated_update(self, state, loss, grads, model_state, metrics, extra)
 
@@ -64,7 +66,7 @@ def replicated_update(strategy, state, loss, grads, model_state, metrics, extra)
     new_state = state.replace(
         step=state.step + 1,
         params=optax.apply_updates(state.params, updates),
-        model_state=ddp_buffers(model_state, strategy.axis, strategy.sync_bn),
+        model_state=ddp_buffers(model_state, strategy.axis, strategy.options.sync_bn),
         opt_state=opt_state,
         extra=extra,
     )

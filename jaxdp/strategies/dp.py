@@ -87,23 +87,19 @@ class DataParallel(Strategy):
     model_parallel = False  # the whole model on every device
     engine_class = PmapEngine  # pmap's layout: a copy of the state per device
 
-    def __init__(self, model, task, tx, mesh, **kwargs):
-        super().__init__(model, task, tx, mesh, **kwargs)
-        if self.sync_bn:
+    def __init__(self, model, task, tx, mesh, options=None, **kwargs):
+        super().__init__(model, task, tx, mesh, options, **kwargs)
+        if self.options.sync_bn:
             raise StrategyError("dp: nn.DataParallel has no SyncBatchNorm; use ddp --sync-bn")
         if jax.process_count() > 1:
             raise StrategyError("dp is single-process (one controller, like nn.DataParallel); use ddp")
-
-    @property
-    def devices(self):
-        return self.engine.devices
 
     def local_step(self, state, batch):
         """One device's step under pmap: its chunk's gradient gathered to device 0, summed and applied
         there, the params and model state broadcast back from device 0."""
         n, axis = self.num_devices, self.axis
         loss, grads, model_state, metrics = local_grads(
-            self.task.loss_fn, state.params, state.model_state, batch, self.step_key(state.step), self.accum_steps)
+            self.task.loss_fn, state.params, state.model_state, batch, self.step_key(state.step), self.options.accum_steps)
         # Full-batch mean loss: this chunk's share of the gradient is (b/B) * grad(chunk mean).
         b = batch_size(batch)
         flat, unravel = ravel_pytree(grads)

@@ -4,7 +4,9 @@ A strategy writes what one device does (its hooks, ``hooks.StrategyHooks``); the
 rest: ``jit(shard_map(...))`` with the state's specs and the batch split over ``batch_axes``,
 donation of the state's buffers, the init programs (each device creating only its own shards),
 evaluation, lowering for inspection, and running one program at a time where the platform needs it.
-``DataParallel`` runs on its own engine (``pmap_engine.py``) with the same methods.
+It is what callers run (``strategy.engine.init``, ``.step``, ``.canonical``, ``.stored``, ...): the
+strategy itself holds no forward to it. ``DataParallel`` runs on its own engine (``pmap_engine.py``)
+with the same methods.
 """
 
 import functools
@@ -25,7 +27,26 @@ from jaxdp.strategies import conversions, layout
 _INIT_PROGRAMS: Dict[Any, Any] = {}
 
 
-class ShardMapEngine:
+class Engine:
+    """What both engines share: a state from given variables, and a restore's target."""
+
+    strategy: Any
+
+    def init_state(self, variables) -> TrainState:
+        """A state from given full variables (``{"params": ..., "batch_stats": ...}``): tests and parity."""
+        variables = dict(variables)
+        params = variables.pop("params")
+        return self.from_canonical(TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=variables,
+                                              opt_state=self.strategy.tx.init(params)))
+
+    def restore_target(self, example_batch) -> TrainState:
+        """Shapes, dtypes and shardings of the stored layout of a state for this batch's model: what a
+        checkpoint restore fills, building nothing (``conversions.stored_target`` of ``abstract_state``)."""
+        s = self.strategy
+        return conversions.stored_target(s, conversions.abstract_state(s, example_batch))
+
+
+class ShardMapEngine(Engine):
     """Every strategy's engine but ``dp``'s: one SPMD program per step, the state placed by its specs."""
 
     def __init__(self, strategy):
@@ -51,7 +72,7 @@ class ShardMapEngine:
         init_params, init_opt = self.init_programs(example_batch)
         params, model_state = init_params(rng)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                           opt_state=init_opt(params), extra=s.init_extra(s.shapes))
+                           opt_state=init_opt(params), extra=s.init_extra(params))
         # The counter and the sync's state start where the step puts them: an unplaced counter made
         # the second step see new input shardings, and trace and compile the whole step again.
         placed = s.state_shardings(state)

@@ -2,7 +2,8 @@
 
 Each strategy module defines its own ``Facts`` beside its class (``ddp.FACTS``, ``zero.facts_for``);
 ``jaxdp.strategies.facts(name)`` finds them through the registry. The options a strategy takes are
-its constructor's keywords (``jaxdp.strategies.options_of``), less the ones in ``refused``.
+``takes`` (and those every strategy takes, ``options.COMMON``): ``jaxdp.strategies.options`` refuses
+any other, with ``why_not``'s reason where the name has one.
 """
 
 from dataclasses import dataclass, field
@@ -30,4 +31,5 @@ class Facts:
     sharded: Tuple[str, ...] = ()  # which of "params", "grads", "opt" a device holds 1/N of (hsdp: 1/S)
     traffic: Optional[Callable[[Sizes], float]] = None  # ring bytes per device per step (None: not known)
     traffic_text: str = "unknown"  # the same in symbols; "{allreduce}" stands for the all-reduce's
-    refused: FrozenSet[str] = frozenset()  # constructor options this name does not take (ZeRO's stages)
+    takes: FrozenSet[str] = frozenset()  # its options: StrategyOptions fields, and keywords of its own (units)
+    why_not: Mapping[str, str] = field(default_factory=dict)  # why it refuses an option others take

@@ -14,7 +14,7 @@ from jaxdp.strategies.state import TrainState
 
 class StrategyHooks(Protocol):
     # -- data -----------------------------------------------------------------------------------
-    facts: Any  # ``factsheet.Facts``: name, torch twin, which of params/grads/opt are sharded, traffic
+    facts: Any  # ``factsheet.Facts``: name, torch twin, the options it takes, what it shards, traffic
     batch_axes: Union[str, Tuple[str, ...]]  # mesh axes the batch is split over (HSDP: replica and data)
     model_parallel: bool  # runs beside a model or stage axis (dp and async do not)
     check_vma: bool  # trace the step with JAX's varying/invariant types (a ring all-reduce turns them off)
@@ -29,11 +29,18 @@ class StrategyHooks(Protocol):
         """This device's sums of ``eval_fn`` (the engine sums them over the batch axes)."""
 
     # -- the strategy's own state ---------------------------------------------------------------
-    def init_extra(self, shapes) -> Any:
-        """``state.extra`` for params of these shapes (PowerSGD's error and Qs, async's history), or None."""
+    def init_extra(self, params) -> Any:
+        """``state.extra`` for these params, in the state's layout (PowerSGD's error and Qs, async's history
+        seeded from them), or None. ``params`` are arrays, or their shapes where no values exist
+        (``jax.eval_shape``: a restore's target; a pipeline's stacked params)."""
 
     def extra_specs(self, extra) -> Any:
         """Where ``extra`` lives: a PartitionSpec per leaf, or one spec for a whole subtree."""
 
     def learn_units(self, init, batch) -> Any:
         """The variables' shapes from ``init(batch)`` under ``eval_shape``; ZeRO-3 also records its FSDP units."""
+
+    # -- where it runs ----------------------------------------------------------------------------
+    def mesh_for(self, mesh) -> Any:
+        """The mesh it runs on, given the caller's, once its options are checked (``self.options``):
+        HSDP splits the data-parallel devices into replica x shard (``runtime.mesh.MeshDims``)."""

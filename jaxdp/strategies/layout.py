@@ -74,10 +74,6 @@ def tree_specs(tree, n: int, axis):
     return jax.tree_util.tree_map(lambda x: spec(np.shape(x), n, axis), tree)
 
 
-def padded_shapes(shapes, n: int):
-    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(padded_shape(s.shape, n), s.dtype), shapes)
-
-
 def shapes_of(tree):
     """Shapes and the dtypes jax will hold: numpy's int64 labels are int32 unless x64 is on (as
     ``device_put`` makes them), so tracing with them neither warns nor differs from the step."""

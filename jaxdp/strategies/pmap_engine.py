@@ -12,11 +12,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import conversions, layout
-from jaxdp.strategies.engine import in_step_context
+from jaxdp.strategies.engine import Engine, in_step_context
 from jaxdp.strategies.errors import StrategyError
 
 
-class PmapEngine:
+class PmapEngine(Engine):
     def __init__(self, strategy):
         self.strategy = strategy
         self.devices = list(strategy.mesh.devices.flat)
@@ -35,7 +35,7 @@ class PmapEngine:
         s = self.strategy
         s.learn_structure(example_batch)
         batch = layout.shapes_of(example_batch)
-        return s.init_state(jax.jit(lambda r: s.init_fn(r, layout.zeros(batch)))(rng))
+        return self.init_state(jax.jit(lambda r: s.init_fn(r, layout.zeros(batch)))(rng))
 
     def from_canonical(self, state):
         self.strategy.shapes = layout.shapes_of(state.params)

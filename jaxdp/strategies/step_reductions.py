@@ -43,7 +43,7 @@ class StepReductions:
         the optimizer sees chunks exactly when its state is sharded (ZeRO-1/2/3, HSDP), slices beside
         a model or stage axis; with whole gradients (ddp, dp, async) the plain local sum is the global one."""
         return reductions.StepContext(
-            batch_axes=self.batch_axes, num_devices=self.num_devices, accum_steps=self.accum_steps,
+            batch_axes=self.batch_axes, num_devices=self.num_devices, accum_steps=self.options.accum_steps,
             sum_of_squares=((lambda tree: self.global_sum_of_squares(tree, self.sharded_opt_state))
                             if self._optimizer_sees_parts else None))
 
@@ -58,12 +58,12 @@ class StepReductions:
         if not self._optimizer_sees_parts or self.__dict__.get("_tx_checked"):
             return
         conversions.need_shapes(self)
-        layout_name = self.name if self.sharded_opt_state else f"{self.name} with a model or stage axis"
+        layout_name = self.facts.name if self.sharded_opt_state else f"{self.facts.name} with a model or stage axis"
 
         def placeholder(tree):  # stands for the sharded reduction, without tracing one
             self._check_whole_tree(tree)
             return jnp.ones((), jnp.float32)
-        probe = reductions.StepContext(self.batch_axes, self.num_devices, self.accum_steps, placeholder)
+        probe = reductions.StepContext(self.batch_axes, self.num_devices, self.options.accum_steps, placeholder)
         try:
             reductions.check_shardable(self.tx, self.shapes, layout_name, probe)
         except reductions.UnshardableTransformError as e:

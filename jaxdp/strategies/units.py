@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.names import REMATS  # what a unit keeps from forward to backward (``fsdp_unit``): "unit" | "none"
+from jaxdp.names import REMATS  # noqa: F401 (what a unit keeps for backward, ``fsdp_unit``: "unit" | "none")
 
 Path = Tuple[str, ...]
 
@@ -195,8 +195,6 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
     meets the same passes (DESIGN.md section 9), and would still recompute the unit's
     elementwise ops.
     """
-    if remat not in REMATS:
-        raise UnitError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}")
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
     arrays = [x for x, a in zip(leaves, is_array) if a]
@@ -245,7 +243,8 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         d_params, d_arrays = _with_params(saved, pullback_shape[0], params)(dy)
         return scatter(d_params)[0], _zeros(state), d_arrays, _zeros(anchor)
 
-    run.defvjp(*((recompute_fwd, recompute_bwd) if remat == "unit" else (keep_fwd, keep_bwd)))
+    # remat is checked where the strategy's options are (jaxdp.strategies.options): one of REMATS.
+    run.defvjp(*{"unit": (recompute_fwd, recompute_bwd), "none": (keep_fwd, keep_bwd)}[remat])
     return run(chunks, state, arrays, first_float(arrays) if prefetch_after is None else prefetch_after)
 
 

@@ -46,32 +46,48 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxdp import registry
-from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, MeshError, axis_size, replica_split
-from jaxdp.strategies import layout
+from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, MeshDims, MeshError
+from jaxdp.strategies import ddp, layout
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.errors import StrategyError
 from jaxdp.strategies.sync.buckets import bucket_groups, leaf_path
 from jaxdp.strategies.factsheet import Facts
+from jaxdp.strategies.options import refuse_untaken
 from jaxdp.strategies.sync.allreduce import AllReduce, bucket_limits, refuse_with_tensor_parallel
 from jaxdp.strategies.sync.sharded import GatherOnUse, ReduceScatter, all_gather
-from jaxdp.strategies.units import REMATS, Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
+from jaxdp.strategies.units import Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
+
+# Why a stage refuses an option another name takes (its facts' ``why_not``; ``strategies.options`` says it).
+REASONS = {
+    **dict.fromkeys(("allreduce", "compress", "powersgd_rank", "powersgd_start_iter", "powersgd_options"),
+                    "allreduce/compress are all-reduce hooks: zero{stage} reduce-scatters instead (use ddp or zero1)"),
+    "units": "units are ZeRO-3's gather-on-use units; zero{stage} keeps params whole",
+    "remat": "remat is ZeRO-3's choice for its FSDP units; zero{stage} keeps params whole",
+    "bucket_cap_mb": "bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero{stage} moves params and grads per "
+                     "FSDP unit",
+    "mesh_shape": "mesh_shape is hsdp's (replicas, shards)",
+}
+
+
+def why_not(stage: int, takes) -> dict:
+    return {option: reason.format(stage=stage) for option, reason in REASONS.items() if option not in takes}
+
 
 # Each stage's facts as a diff against the one before; traffic in ring bytes per device per step (see above).
 ZERO1 = Facts("zero1", twin="DDP (optional comm hook) + ZeroRedundancyOptimizer",
-              sharded=("opt",), refused=frozenset({"units", "remat", "mesh_shape"}),
+              sharded=("opt",), takes=ddp.ALL_REDUCE_OPTIONS, why_not=why_not(1, ddp.ALL_REDUCE_OPTIONS),
               traffic=lambda s: s.allreduce + (s.n - 1) / s.n * s.p * s.psi_pad,  # DDP's + gather the updated chunks
               traffic_text="{allreduce} + (N-1)/N·pΨ_pad all-gather")
 ZERO2 = dataclasses.replace(
     ZERO1, name="zero2", twin="FSDP2 fully_shard(reshard_after_forward=False)",
     sharded=("grads", "opt"), traffic=lambda s: 2 * (s.n - 1) / s.n * s.p * s.psi_pad, traffic_text="2Ψ_pad·p(N-1)/N",
-    refused=ZERO1.refused | {"allreduce", "compress", "powersgd_rank", "powersgd_options"})  # no all-reduce to hook
+    takes=frozenset({"bucket_cap_mb"}), why_not=why_not(2, {"bucket_cap_mb"}))  # no all-reduce to hook
 ZERO3 = dataclasses.replace(
     ZERO2, name="zero3", twin="FSDP2 fully_shard(reshard_after_forward=True)",
-    sharded=("params", "grads", "opt"), refused=ZERO2.refused - {"units", "remat"} | {"bucket_cap_mb"},  # units, not buckets
+    sharded=("params", "grads", "opt"), takes=frozenset({"units", "remat"}), why_not=why_not(3, {"units", "remat"}),
     traffic=lambda s: (s.n - 1) / s.n * s.p * (3 * s.psi_pad - s.root_pad),  # units gathered twice, the root once
-    traffic_text="(3Ψ_pad - Ψ_root)p(N-1)/N")
+    traffic_text="(3Ψ_pad - Ψ_root)p(N-1)/N")  # units, not buckets
 STAGES = {1: ZERO1, 2: ZERO2, 3: ZERO3}
 
 
@@ -82,8 +98,8 @@ def hsdp_traffic(s) -> float:
 
 
 HSDP = dataclasses.replace(ZERO3, name="hsdp", twin="FSDP2 on a 2-D DeviceMesh (replicate, shard)",
-                           refused=ZERO3.refused - {"mesh_shape"}, traffic=hsdp_traffic,
-                           traffic_text="(3Ψ_pad - Ψ_root)p(S-1)/S + 2(Ψ_pad p/S)(R-1)/R")
+                           takes=ZERO3.takes | {"mesh_shape"}, why_not=why_not(3, ZERO3.takes | {"mesh_shape"}),
+                           traffic=hsdp_traffic, traffic_text="(3Ψ_pad - Ψ_root)p(S-1)/S + 2(Ψ_pad p/S)(R-1)/R")
 
 
 def facts_for(stage: int = 3, hsdp: bool = False) -> Facts:
@@ -94,57 +110,37 @@ def facts_for(stage: int = 3, hsdp: bool = False) -> Facts:
     return HSDP if hsdp else STAGES[stage]
 
 
-# Why a stage refuses an option its facts list in ``refused``: (the options, whether one is set, the reason).
-REFUSALS = (
-    (("allreduce", "compress"), lambda o: o["allreduce"] != "psum" or o["compress"],
-     "allreduce/compress are all-reduce hooks: zero{stage} reduce-scatters instead (use ddp or zero1)"),
-    (("units",), lambda o: o["units"], "units are ZeRO-3's gather-on-use units; zero{stage} keeps params whole"),
-    (("remat",), lambda o: o["remat"] != "unit",
-     "remat is ZeRO-3's choice for its FSDP units; zero{stage} keeps params whole"),
-    (("bucket_cap_mb",), lambda o: o["bucket_cap_mb"] is not None,
-     "bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero{stage} moves params and grads per FSDP unit"),
-    (("mesh_shape",), lambda o: o["mesh_shape"] is not None, "mesh_shape is hsdp's (replicas, shards)"),
-)
-
-
-def refuse_options(facts: Facts, stage: int, options) -> None:
-    """One line for the first option that is set although ``facts`` refuse it."""
-    for names, is_set, reason in REFUSALS:
-        if set(names) & facts.refused and is_set(options):
-            raise StrategyError(reason.format(stage=stage))
-
-
 class ZeRO(Strategy):
     facts_for = staticmethod(facts_for)
 
-    def __init__(self, model, task, tx, mesh, *, stage: int = 3, units=(), remat: str = "unit", mesh_shape=None,
-                 bucket_cap_mb=None,
-                 allreduce: str = "psum", compress=None, powersgd_rank: int = 1, powersgd_options=None,
-                 hsdp: bool = False, **kwargs):
+    def __init__(self, model, task, tx, mesh, options=None, *, stage: int = 3, hsdp: bool = False, units=(),
+                 powersgd_options=None, **kwargs):
         # Replicate x shard is a degree of the mesh: ZeRO-3 on a mesh with replica > 1 is HSDP.
-        hsdp = hsdp or (stage == 3 and axis_size(mesh, REPLICA_AXIS) > 1)
+        hsdp = hsdp or (stage == 3 and MeshDims.of(mesh).size(REPLICA_AXIS) > 1)
         self.stage, self.hsdp = stage, hsdp
         self.facts = facts_for(stage, hsdp)
-        if remat not in REMATS:
-            raise StrategyError(f"remat must be one of {', '.join(REMATS)} (what an FSDP unit keeps for backward), "
-                                f"got {remat!r}")
-        refuse_options(self.facts, stage, dict(allreduce=allreduce, compress=compress, units=units, remat=remat,
-                                               bucket_cap_mb=bucket_cap_mb, mesh_shape=mesh_shape))
+        refuse_untaken(self.facts, [k for k, v in (("units", units), ("powersgd_options", powersgd_options)) if v])
         if hsdp:
             self.batch_axes = (REPLICA_AXIS, DATA_AXIS)
-            mesh = hsdp_mesh(mesh, mesh_shape)
-        super().__init__(model, task, tx, mesh, **kwargs)
+        super().__init__(model, task, tx, mesh, options, **kwargs)
+        o = self.options
         if units and self.pp is not None:
             raise StrategyError("zero3 units are gathered module by module; on pipeline stages each stage's "
                                 "params are one vector, gathered whole: drop units")
-        refuse_with_tensor_parallel(self, allreduce, compress)
-        self.limits = bucket_limits(bucket_cap_mb)  # the params' all-gather and zero2's reduce-scatter buckets
-        self.sync = (AllReduce(bucket_cap_mb=bucket_cap_mb, allreduce=allreduce, compress=compress,
-                               powersgd_rank=powersgd_rank, powersgd_options=powersgd_options) if stage == 1
+        refuse_with_tensor_parallel(self, o.allreduce, o.compress)
+        self.limits = bucket_limits(o.bucket_cap_mb)  # the params' all-gather and zero2's reduce-scatter buckets
+        self.sync = (AllReduce.of(o, powersgd_options) if stage == 1
                      else ReduceScatter() if stage == 2 else GatherOnUse(REPLICA_AXIS if hsdp else None))
-        self.check_vma = allreduce != "ring"
-        self.units, self.remat = Units(units), remat
+        self.check_vma = o.allreduce != "ring"
+        self.units = Units(units)
+        # What a unit keeps for backward, bound where the option is read: each unit runs
+        # fsdp_unit with it (--remat reaches it in three calls: docs/architecture.md).
+        self.run_unit = functools.partial(fsdp_unit, remat=o.remat)
         self.unit_paths = None
+
+    def mesh_for(self, mesh):
+        """HSDP: the data-parallel devices as (replicas, shards), ``mesh_shape`` or the default."""
+        return hsdp_mesh(mesh, self.options.mesh_shape) if self.hsdp else mesh
 
     def init_extra(self, params):
         return self.sync.init(params, self.num_devices)
@@ -166,7 +162,7 @@ class ZeRO(Strategy):
         loss_fn = self.task.loss_fn if whole else self.gathering_loss(self.task.loss_fn)
         loss, grads, model_state, metrics = local_grads(
             loss_fn, self.differentiated(state.params), state.model_state, batch, self.step_key(state.step),
-            self.accum_steps)
+            self.options.accum_steps)
         grads, extra = self.chunk_of_average(grads, state)
         my_params = self.my_chunks(state.params) if whole else state.params
         updates, opt_state = self.tx.update(grads, state.opt_state, my_params)
@@ -174,7 +170,7 @@ class ZeRO(Strategy):
         new_state = state.replace(
             step=state.step + 1,
             params=self.gather(new_params) if whole else new_params,  # stage 3: the chunks are the params
-            model_state=ddp_buffers(model_state, self.batch_axes, self.sync_bn),
+            model_state=ddp_buffers(model_state, self.batch_axes, self.options.sync_bn),
             opt_state=opt_state,
             extra=extra,
         )
@@ -219,8 +215,8 @@ class ZeRO(Strategy):
             # Forward prefetch: this unit's gather may start once the previous unit's input exists.
             previous = inputs[-1] if inputs else None
             inputs.append(first_float((args, kwargs)))
-            return fsdp_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args, kwargs, mutable,
-                             self.remat, prefetch_after=previous)
+            return self.run_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args, kwargs,
+                                 mutable, prefetch_after=previous)
 
         def run(chunks, model_state, batch, key):
             def root_gather(path, c, s):
@@ -246,8 +242,8 @@ class ZeRO(Strategy):
 
 def default_hsdp_shape(devices) -> tuple:
     """(replicas, shards) for these devices when the user names none: one shard group per host
-    (``jaxdp.registry.default_mesh``, the one definition torch_ref, bench and gpu-check read too)."""
-    return registry.default_mesh(len(devices), len({d.process_index for d in devices}))
+    (``MeshDims.hsdp_default``, the one definition torch_ref, bench and gpu-check read too)."""
+    return MeshDims.hsdp_default(len(devices), len({d.process_index for d in devices}))
 
 
 def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
@@ -261,10 +257,9 @@ def hsdp_mesh(mesh, mesh_shape=None) -> Mesh:
     devices = np.asarray(mesh.devices).reshape(-1, *[mesh.shape[a] for a in beside])  # (replica x data, ...)
     hosts = [int(d.process_index) for d in devices.reshape(devices.shape[0], -1)[:, 0]]
     devices = devices[np.argsort(hosts, kind="stable")]
-    n = devices.shape[0]
-    wanted = mesh_shape or default_hsdp_shape(list(devices.reshape(n, -1)[:, 0]))
+    wanted = mesh_shape or default_hsdp_shape(list(devices.reshape(devices.shape[0], -1)[:, 0]))
     try:
-        mesh_shape = replica_split(wanted, n, f"hsdp mesh_shape {','.join(map(str, wanted))}")
+        dims = MeshDims.of(mesh).with_replicas(wanted, f"hsdp mesh_shape {','.join(map(str, wanted))}")
     except MeshError as e:
         raise StrategyError(str(e)) from None
-    return Mesh(devices.reshape(*mesh_shape, *devices.shape[1:]), (REPLICA_AXIS, DATA_AXIS) + beside)
+    return Mesh(devices.reshape(dims.replica, dims.data, *devices.shape[1:]), (REPLICA_AXIS, DATA_AXIS) + beside)

@@ -91,8 +91,8 @@ def _variants(args, host) -> dict:
         else:
             strategy = build_strategy(strategy_name, make_mesh(args.devices), net, "sgd",
                                       {"compiler_options": "none", **options})
-            state, batch = strategy.init(jax.random.key(0), host), strategy.shard_batch(host)
-            run = strategy.lower_step(state, batch).compile()
+            state, batch = strategy.engine.init(jax.random.key(0), host), strategy.engine.shard_batch(host)
+            run = strategy.engine.lower_step(state, batch).compile()
             variants[name] = _carried(lambda s, run=run, batch=batch: run(s, batch)[0], state)
         variants[name]()  # warm-up
     return variants

@@ -91,7 +91,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
                                compiler_options=levers.compiler_options(lever, jax.devices()[0].platform) or "none")
     strategy.donate = levers.donates(lever)
     host = {"image": np.asarray(images, np.dtype(net.dtype)), "label": np.asarray(labels, np.int32)}
-    state = strategy.init(jax.random.key(0), host)  # sharded: each device builds only its own part
+    state = strategy.engine.init(jax.random.key(0), host)  # sharded: each device builds only its own part
     rec = {"framework": "jaxdp", "compiler_options": strategy.compiler_options, "donate": strategy.donate}
     # Model-state bytes measured vs the ZeRO formula (traced, no compile).
     try:
@@ -100,18 +100,18 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
                    axes=rep["axes"])
     except Exception as e:  # a strategy inspect does not know: say so, go on
         rec["state_error"] = f"{type(e).__name__}: {e}"
-    batch = strategy.shard_batch(host)
+    batch = strategy.engine.shard_batch(host)
 
     t0 = time.perf_counter()
     try:
-        compiled = strategy.lower_step(state, batch).compile()
+        compiled = strategy.engine.lower_step(state, batch).compile()
         run = compiled
         rec["memory"] = with_total(ins.compiled_memory(compiled))
         rec["collectives"] = ins.parse_collectives(compiled.as_text(), n)
         rec["compile_s"] = time.perf_counter() - t0
     except Exception as e:  # no AOT path: the first call compiles (and runs one step)
         rec["compile_error"] = f"{type(e).__name__}: {e}"
-        run = strategy.step
+        run = strategy.engine.step
         state, out = run(state, batch)
         jax.block_until_ready((state, out))
         rec["compile_s"] = time.perf_counter() - t0

@@ -35,14 +35,14 @@ MODEL = dict(num_classes=10, image_size=32, patch=4, dim=64, depth=6, heads=4, m
 def median_step_seconds(mesh, batch, repeats: int, **options) -> float:
     model = ViT(**MODEL)
     strategy = create_strategy("ddp", model, classifier(model), optax.sgd(0.01), mesh, **options)
-    state = strategy.init(jax.random.key(0), batch)
-    placed = strategy.shard_batch(batch)
-    state, metrics = strategy.step(state, placed)  # compile
+    state = strategy.engine.init(jax.random.key(0), batch)
+    placed = strategy.engine.shard_batch(batch)
+    state, metrics = strategy.engine.step(state, placed)  # compile
     jax.block_until_ready(metrics)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        state, metrics = strategy.step(state, placed)
+        state, metrics = strategy.engine.step(state, placed)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     return float(np.median(times))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from jaxdp import registry
+from jaxdp.runtime.mesh import MeshDims
 
 TINY_DTYPES = ("float32", "float64")              # the tiny pairs on >= 2 GPUs
 REALISTIC_DTYPES = ("float32", "bfloat16", "float64")
@@ -143,9 +144,9 @@ class CheckPlan:
 
 
 def hsdp_mesh_shape(n: int) -> Tuple[int, int]:
-    """The default (replicas, shards) on one host (``jaxdp.registry.default_mesh``, jaxdp's and
-    torch_ref's): a replicated pair runs what a user gets without --mesh-shape, named in its command."""
-    return registry.default_mesh(n)
+    """The default (replicas, shards) on one host (``jaxdp.runtime.mesh.MeshDims.hsdp_default``, jaxdp's
+    and torch_ref's): a replicated pair runs what a user gets without --mesh-shape, named in its command."""
+    return MeshDims.hsdp_default(n)
 
 
 def parity_argv(strategy: str, dtype: str, n: int, backend: str, size: dict, out: str) -> List[str]:

@@ -15,9 +15,6 @@ A transform as the package's others (``jaxdp.strategies.sync``); its state is Po
 Any strategy that all-reduces (DDP, async, ZeRO-1) composes it.
 """
 
-import jax
-from jax.sharding import PartitionSpec as P
-
 from jaxdp import names
 from jaxdp.strategies.sync import Where, buckets, low_precision, powersgd, ring
 from jaxdp.strategies.errors import StrategyError
@@ -43,6 +40,15 @@ class AllReduce:
         except ValueError as e:
             raise SyncError(str(e)) from None
         self.allreduce, self.compress = allreduce, compress
+
+    @classmethod
+    def of(cls, options, powersgd_options=None) -> "AllReduce":
+        """DDP's all-reduce as a strategy's typed options say (``jaxdp.config.step.StrategyOptions``);
+        ``powersgd_options``: PowerSGD's other settings (parity's shared initial Q), over the options'
+        ``powersgd_start_iter`` (read only with ``compress="powersgd"``)."""
+        return cls(bucket_cap_mb=options.bucket_cap_mb, allreduce=options.allreduce, compress=options.compress,
+                   powersgd_rank=options.powersgd_rank,
+                   powersgd_options={"start_iter": options.powersgd_start_iter, **(powersgd_options or {})})
 
     @property
     def stateful(self) -> bool:
@@ -96,7 +102,3 @@ def refuse_with_tensor_parallel(strategy, allreduce: str, compress) -> None:
         raise StrategyError("allreduce='ring' does not combine with a model axis (tensor parallelism); use psum")
     if compress == "powersgd":
         raise StrategyError("compress='powersgd' does not combine with a model axis (tensor parallelism) yet")
-
-
-def replicated_specs(tree):
-    return jax.tree_util.tree_map(lambda _: P(), tree)
