@@ -8,6 +8,8 @@ The strategies live side by side in ``jaxdp.strategies``; the models, data pipel
 optimizers know nothing about which strategy runs.
 """
 
+import importlib
+
 __version__ = "0.2.0"
 
 # Lazy: `import jaxdp` must not import jax (the CLI sets XLA_FLAGS first). Each name: its module.
@@ -22,8 +24,6 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f"jaxdp.{_EXPORTS[name]}"), name)
     globals()[name] = value
     return value

@@ -41,6 +41,7 @@ from typing import Any
 
 import optax
 
+from jaxdp.loss.reductions import clip_by_global_norm
 from jaxdp.names import OPTIMIZERS, SCHEDULES  # the names (jaxdp.names); their optax chains are here
 
 
@@ -237,8 +238,6 @@ def make_optimizer(name: str, learning_rate: float | optax.Schedule, *, momentum
     """
     _choice("optimizer", name, OPTIMIZERS)
     if clip_grad_norm is not None:
-        from jaxdp.loss.reductions import clip_by_global_norm
-
         if not _nonneg("clip_grad_norm", clip_grad_norm) > 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
         return optax.chain(clip_by_global_norm(float(clip_grad_norm)),

@@ -1,5 +1,5 @@
 """The code's shape: imports go one way, down jaxdp's layers, and the jax side stands without
-the torch side.
+the torch side; what starts before jax imports none of it, and an import inside a function says why.
 
 The module graph is read from the source with ``ast`` (every import statement, those inside
 functions too, and the ``jaxdp`` package's lazy exports), so a cycle, an import up a layer or a
@@ -8,13 +8,17 @@ torch import that only runs on some path is still found.
 
 import ast
 import graphlib
+import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+import tokenize
 import tomllib
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import pytest
 
@@ -49,33 +53,58 @@ def modules(root: Path = ROOT) -> dict:
     return found
 
 
+class Import(NamedTuple):
+    """One import statement: its first and last line, the names it imports (absolute; ``from a
+    import b`` gives ``a.b``, b a module or a name in ``a``) and whether it runs in a function."""
+    line: int
+    end: int
+    names: frozenset
+    in_function: bool
+
+
+def import_statements(name: str, source: str, is_package: bool = False) -> list:
+    """Every import statement of module ``name`` (a package's ``__init__`` if ``is_package``)."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+
+    def visit(node, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                names = {alias.name for alias in child.names}
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: from the package, one level up per extra dot
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(anchor + ([child.module] if child.module else []))
+                names = {f"{base}.{alias.name}" for alias in child.names}
+            else:
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+                continue
+            found.append(Import(child.lineno, child.end_lineno, frozenset(names), in_function))
+
+    visit(ast.parse(source), False)
+    return found
+
+
 def imported_names(name: str, path: Path) -> set:
-    """Every module name ``name`` imports, absolute; ``from a import b`` gives ``a.b`` (b may be
-    a module or a name in ``a``)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the package, one level up per extra dot
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([node.module] if node.module else []))
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+    """Every module name ``name`` imports, at any level."""
+    return set().union(*(s.names for s in import_statements(name, path.read_text(), path.name == "__init__.py")))
+
+
+def resolver(found: dict) -> Callable:
+    """A dotted name -> the longest module of the project it names (None: not the project's)."""
+    def resolve(dotted: str):
+        while dotted and dotted not in found:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+    return resolve
 
 
 def import_graph(root: Path = ROOT) -> dict:
     """{module: the project modules it imports}: each imported name resolved to the longest
     module of the project it names."""
     found = modules(root)
-
-    def resolve(dotted: str):
-        while dotted and dotted not in found:
-            dotted = dotted.rpartition(".")[0]
-        return dotted or None
-
+    resolve = resolver(found)
     graph = {}
     for name, path in found.items():
         targets = {resolve(n) for n in imported_names(name, path)}
@@ -120,11 +149,12 @@ def reachable(graph: dict, start: str) -> set:
 
 
 def test_the_graph_reads_function_level_and_relative_imports():
-    """The reader itself, on the data package as it stood with its circle (datasets imported
-    synthetic inside a function; synthetic imported datasets at the top, relatively)."""
+    """The reader itself: an import inside a function (the CLI's train command), relative ones (the
+    data package), and a circle as the data package once had one (synthetic imported datasets)."""
     graph = import_graph()
     assert "jaxdp.data.arrays" in graph["jaxdp.data.synthetic"]  # `from .arrays import ArrayDataset`
-    assert {"jaxdp.data.synthetic", "jaxdp.data.cifar10"} <= graph["jaxdp.data.datasets"]  # inside load_dataset
+    assert {"jaxdp.data.synthetic", "jaxdp.data.cifar10"} <= graph["jaxdp.data.datasets"]  # `from . import cifar10`
+    assert "jaxdp.run.train" in graph["jaxdp.cli.command"]  # inside cmd_train
     assert "jaxdp.models.errors" in graph["jaxdp.models.batchnorm"]
     with pytest.raises(graphlib.CycleError):
         graphlib.TopologicalSorter({**graph, "jaxdp.data.arrays": {"jaxdp.data.datasets"}}).prepare()
@@ -188,6 +218,169 @@ def test_inspect_bench_and_parity_never_reach_a_trainer():
     assert "torch_commands.bench.command" in users and "parity_tests.runner" in users
     reached = {m: sorted(reachable(graph, m) & {"jaxdp.run.train", "torch_ref.train", "jaxdp.cli.command"}) for m in users}
     assert {m: r for m, r in reached.items() if r} == {}
+
+
+# ----------------------------------------------------------------------------- imports in functions
+
+# What starts without jax, flax, optax and orbax (JAX_SIDE), and why (docs/architecture.md, "Imports").
+# No module these import at module level, nor any module that one imports, imports JAX_SIDE at
+# module level; a function of such a module may import JAX_SIDE, and the project modules that import
+# it, where it needs it (this list is that import's reason). jax reads XLA_FLAGS when it creates its
+# backend, not when it is imported, so what these buy is their start-up and a torch process without jax.
+JAX_FREE = {
+    "jaxdp": "`import jaxdp` imports no jax (its names load on first use): a script sets XLA_FLAGS after it",
+    "jaxdp.cli.command": "the parser: `jaxdp train --help` in ~0.3 s, and jax, flax and optax take ~1 s more "
+                         "(and `jaxdp plan` sets $JAX_PLATFORMS, which jax reads when it is imported)",
+    "parity_tests.command": "a registered command: `jaxdp --help` builds its parser too",
+    "torch_commands.bench.command": "a registered command",
+    "torch_commands.export": "a registered command",
+    "torch_commands.gpu_check.command": "gpu-check sets $JAX_PLATFORMS and XLA's flags before jax starts",
+    "torch_ref.train": "the torch ranks start without jax (torch_ref's docstring)",
+    "torch_ref.step_api": "the parity harness's torch ranks",
+    "jaxdp.data": "numpy only: jaxdp and torch_ref read the same batches (DESIGN.md)",
+}
+JAX_SIDE = ("jax", "jaxlib", "flax", "optax", "orbax")
+# Optional dependencies, imported only where they are used, so that jaxdp runs without them.
+OPTIONAL = {"tensorboardX": "the [tensorboard] extra", "sklearn": "the [digits] extra",
+            "yaml": "PyYAML, for a .yaml config file"}
+EXPLAINED = ("jaxdp",)  # the packages whose every function-level import says why
+
+
+def packages_of(module: str) -> list:
+    """The packages Python imports before ``module``: ``a.b.c`` -> ``a``, ``a.b``."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def module_level_graph(root: Path = ROOT) -> dict:
+    """{module: what importing it imports}: the project modules its module-level imports name, the
+    packages that hold them and its own, and other packages by their top-level name (``jax``)."""
+    found = modules(root)
+    resolve = resolver(found)
+    graph = {}
+    for name, path in found.items():
+        statements = import_statements(name, path.read_text(), path.name == "__init__.py")
+        targets = {resolve(n) or n.split(".")[0] for s in statements if not s.in_function for n in s.names}
+        targets |= {p for t in targets | {name} for p in packages_of(t) if p in found}
+        graph[name] = targets - {name}
+    return graph
+
+
+def imported_with(graph: dict, module: str) -> set:
+    return {module} | reachable(graph, module)
+
+
+def jax_at_import(graph: dict, roots) -> dict:
+    """{module: the JAX_SIDE packages it imports at module level} among what ``roots`` import."""
+    loaded = set().union(*(imported_with(graph, r) for r in roots))
+    found = {m: sorted(graph.get(m, set()) & set(JAX_SIDE)) for m in loaded}
+    return {m: side for m, side in found.items() if side}
+
+
+def unexplained_imports(name: str, source: str, jax_free: bool, jax_side: Callable[[str], bool],
+                        is_package: bool = False) -> list:
+    """Module ``name``'s function-level imports that give no reason, as 'line: text'. A reason is: an
+    optional dependency (OPTIONAL); in a module that must import without jax (``jax_free``), JAX_SIDE or
+    a module that imports it (``jax_side(name)``); or a comment on the statement's lines or on a line
+    of its own just above the block of imports the statement is in."""
+    lines = source.splitlines()
+    comments = {token.start[0] for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                if token.type == tokenize.COMMENT and not token.string.startswith("# noqa")}
+    statements = import_statements(name, source, is_package)
+    import_lines = {n for s in statements for n in range(s.line, s.end + 1)}
+    found = []
+    for s in statements:
+        if not s.in_function or all(n.split(".")[0] in OPTIONAL for n in s.names):
+            continue
+        if jax_free and all(jax_side(n) for n in s.names):
+            continue
+        above = s.line - 1
+        while above in import_lines:  # up to the first statement of its block
+            above -= 1
+        said_above = above in comments and lines[above - 1].lstrip().startswith("#")
+        if not (said_above or comments & set(range(s.line, s.end + 1))):
+            found.append(f"{s.line}: {lines[s.line - 1].strip()}")
+    return found
+
+
+def function_level_imports_without_a_reason(root: Path = ROOT) -> dict:
+    """{module: its unexplained imports} over the EXPLAINED packages."""
+    graph, found = module_level_graph(root), modules(root)
+    resolve = resolver(found)
+    jax_free = set().union(*(imported_with(graph, r) for r in JAX_FREE))
+
+    def jax_side(dotted: str) -> bool:
+        module = resolve(dotted)
+        return bool(imported_with(graph, module) & set(JAX_SIDE)) if module else dotted.split(".")[0] in JAX_SIDE
+
+    unexplained = {name: unexplained_imports(name, path.read_text(), name in jax_free, jax_side,
+                                             path.name == "__init__.py")
+                   for name, path in found.items() if name.split(".")[0] in EXPLAINED}
+    return {name: lines for name, lines in unexplained.items() if lines}
+
+
+def test_what_starts_before_jax_imports_none_of_it():
+    """The parser, `import jaxdp`, the torch ranks and the data package (JAX_FREE) reach no jax, flax,
+    optax or orbax at module level, through any module they import."""
+    graph = module_level_graph()
+    assert {"jaxdp.cli.command", "jaxdp.runtime.mesh", "jaxdp.run.perf", "torch_commands.bench.runner",
+            "jaxdp.run.rundir"} <= set().union(*(imported_with(graph, r) for r in JAX_FREE))
+    assert "jaxdp.analysis.measure" not in imported_with(graph, "jaxdp.cli.command")  # inspect's run imports it
+    assert jax_at_import(graph, JAX_FREE) == {}
+
+
+def test_the_check_before_jax_finds_a_module_level_jax_import():
+    graph = module_level_graph()
+    planted = {**graph, "jaxdp.config.fields": graph["jaxdp.config.fields"] | {"optax"}}
+    assert jax_at_import(planted, JAX_FREE) == {"jaxdp.config.fields": ["optax"]}
+    assert jax_at_import(graph, ["jaxdp.analysis.measure"])  # a module after jax: at its top
+
+
+def test_every_function_level_import_says_why():
+    """An import sits in a function only for a reason, and says which: jax's side in a module that
+    must start without it (JAX_FREE), an optional dependency (OPTIONAL), or a comment (e.g. `not for
+    --help: ...`). Everything else is imported at the top of its module."""
+    assert function_level_imports_without_a_reason() == {}
+
+
+def test_the_function_level_check_finds_an_import_without_a_reason(tmp_path):
+    def heavy(dotted):
+        return dotted.split(".")[0] == "jax" or dotted.startswith("jaxdp.models")
+
+    source = textwrap.dedent("""
+        def loop():
+            import jax
+            from jaxdp.config import choices
+            import tensorboardX
+            from jaxdp.models import create_model  # the reason
+            # the reason for the block below
+            import optax
+            from jaxdp.names import DATASETS
+            from jaxdp.run import rundir
+            x = 1  # a comment on another line is no reason
+            import numpy
+
+        import jax
+    """)
+    after_jax = ["3: import jax", "4: from jaxdp.config import choices", "12: import numpy"]
+    assert unexplained_imports("jaxdp.run.loop", source, jax_free=False, jax_side=heavy) == after_jax
+    before_jax = ["4: from jaxdp.config import choices", "12: import numpy"]
+    assert unexplained_imports("jaxdp.run.loop", source, jax_free=True, jax_side=heavy) == before_jax
+
+    # the whole check, on a copy of the code with two imports planted
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    lines = {}
+    for module, planted in (("run/train.py", "import optax"), ("runtime/mesh.py", "from jaxdp.runtime import startup")):
+        path = tmp_path / "jaxdp" / module
+        text = path.read_text() + "\n\ndef planted():\n    import jax\n    " + planted + "\n"
+        path.write_text(text)
+        lines[module] = len(text.splitlines())
+    # train imports jax at its top (no reason to wait); mesh must import without jax (it may wait), but
+    # not for a jax-free module
+    assert function_level_imports_without_a_reason(tmp_path) == {
+        "jaxdp.run.train": [f"{lines['run/train.py'] - 1}: import jax", f"{lines['run/train.py']}: import optax"],
+        "jaxdp.runtime.mesh": [f"{lines['runtime/mesh.py']}: from jaxdp.runtime import startup"]}
 
 
 def test_a_plain_install_brings_only_the_jax_side():

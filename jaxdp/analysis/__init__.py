@@ -11,9 +11,8 @@ most of it compiling the step; ``--no-compile`` skips that part):
 
 ``inspect_strategy(...)`` (or ``measure`` for a strategy you built) returns all of it as
 a dict (``--json`` prints that); ``report.format_report`` makes it the table; the
-``jaxdp inspect`` and ``jaxdp plan`` subcommands are ``jaxdp.cli.inspect_command`` and ``plan_command``.
-
-Nothing here imports jax at module level (``--devices`` must reach XLA first).
+``jaxdp inspect`` and ``jaxdp plan`` subcommands are ``jaxdp.cli.inspect_command`` and ``plan_command``,
+which import this package when the command runs, after parsing (it imports jax).
 """
 
 from jaxdp.analysis.hlo import COLLECTIVES, compiled_memory, parse_collectives, replica_groups

@@ -29,14 +29,15 @@ model device (ViT: patch embedding, tokens, LayerNorms, head); Ψ_split: params 
 - stage axis (GPipe, ``jaxdp.parallel.pipeline``): ``pipeline_accounting``: L·p params per
   device, M micro-batches' boundary activations in flight, and 2(M+S-1)·(B/M)·a bytes of
   collective-permutes per device (one per tick of the schedule, forward and backward).
-
-Nothing here imports jax at module level.
 """
 
 import itertools
 from typing import Optional
 
+import jax
 import numpy as np
+
+from jaxdp.parallel.tensor import beside, path_name
 
 REPLICATED = "-"
 
@@ -107,10 +108,6 @@ def spec_axes(spec) -> tuple:
 def state_by_axes(strategy, opt_bytes_per_param: int) -> dict:
     """{part: {axes: {"params": canonical count, "bytes": per device}}} for params, grads and opt,
     from the strategy's placement: each part is ZeRO-cut where ``facts.sharded`` says so."""
-    import jax
-
-    from jaxdp.parallel.tensor import path_name
-
     place, mesh, sharded = strategy.placement, strategy.mesh, strategy.facts.sharded
     out = {"params": {}, "grads": {}, "opt": {}}
     for path, leaf in jax.tree_util.tree_leaves_with_path(strategy.shapes):
@@ -131,10 +128,6 @@ def state_by_axes(strategy, opt_bytes_per_param: int) -> dict:
 def split_counts(strategy) -> dict:
     """Ψ_rep (params whole on every model device), Ψ_split (cut over ``model``) and
     Ψ_local = Ψ_rep + Ψ_split/M, from the strategy's tensor-parallel plan."""
-    import jax
-
-    from jaxdp.parallel.tensor import path_name
-
     tp = strategy.model_split
     split = 0
     if tp is not None:
@@ -157,8 +150,6 @@ def model_traffic(model_size: int, summed_values: tuple, value_bytes: int) -> fl
 def model_axis_formula(strategy, batch_per_rank: int, image_size: int) -> Optional[float]:
     """``model_traffic`` of the strategy's tensor-parallel model, from ``summed_values`` declared
     beside it (None without tensor parallelism, or for a model that declares none)."""
-    from jaxdp.parallel.tensor import beside
-
     net, tp = strategy.init_model, strategy.model_split
     values = beside(net, "summed_values")
     if tp is None or values is None:
@@ -189,8 +180,6 @@ def pipeline_accounting(strategy, batch_per_rank: int, example_input=None) -> Op
       ppermute of one micro-batch's buffer (bubble ticks send padding), forward and backward:
       2(M+S-1)·b·a. This is what the compiled HLO's collective-permutes over ``stage`` move.
     """
-    import jax
-
     pp = getattr(strategy, "pp", None)
     if pp is None:
         return None

@@ -5,19 +5,25 @@ The compiled memory is ``memory_analysis()`` of ``strategy.engine.lower_step(...
 (argument, output, alias, temp); the collectives are counted in ``compiled.as_text()`` and,
 as ``ring_bytes_as_written``, in the HLO before XLA's passes, printed where it differs:
 XLA:CPU promotes a bf16 all-reduce to f32.
-
-Nothing here imports jax at module level.
 """
 
 import dataclasses
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
+from jaxdp import names
 from jaxdp.analysis.axes import axis_report
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
 from jaxdp.analysis.schedule import entry_ops
 from jaxdp.analysis.state import kept_grad_bytes, state_bytes, strategy_formulas
+from jaxdp.loss.task import classifier
+from jaxdp.models import create_model, fsdp_units
+from jaxdp.models.batchnorm import BatchNorm
+from jaxdp.optim import make_optimizer
+from jaxdp.runtime.mesh import make_mesh
+from jaxdp.strategies import create_strategy, options_of
 
 
 class InspectError(ValueError):
@@ -36,13 +42,6 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     ``powersgd_rank``, ``staleness``); zero3 and hsdp get the model's FSDP units
     (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``. ``vit``: a ViT's sizes
     (depth, dim, heads, mlp_dim, patch)."""
-    import jax
-
-    from jaxdp import names
-    from jaxdp.runtime.mesh import make_mesh
-    from jaxdp.models import create_model
-    from jaxdp.strategies import options_of
-
     if batch_per_device < 1 or image_size < 1:
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
     if dtype == "float64":
@@ -69,10 +68,6 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
 def build_strategy(name: str, mesh, net, optimizer: str, options: Optional[dict] = None):
     """Strategy ``name`` training ``net`` (a classifier) on ``mesh`` with ``optimizer`` (sgd: lr 0.1,
     momentum 0.9; others lr 1e-3) and the model's FSDP units: what ``inspect`` and ``plan`` measure."""
-    from jaxdp.optim import make_optimizer
-    from jaxdp.strategies import create_strategy
-    from jaxdp.loss.task import classifier
-
     lr = 0.1 if optimizer == "sgd" else 1e-3
     tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
     return create_strategy(name, net, classifier(net), tx, mesh, **fsdp_options(name, net, options))
@@ -81,9 +76,6 @@ def build_strategy(name: str, mesh, net, optimizer: str, options: Optional[dict]
 def fsdp_options(name: str, model, options: Optional[dict] = None) -> dict:
     """``options`` plus, for a strategy that takes ``units`` (zero3, hsdp), ``units=fsdp_units(model)``
     (unless given): the model's own FSDP units, as torch_ref's FSDP2 wraps them."""
-    from jaxdp.models import fsdp_units
-    from jaxdp.strategies import options_of
-
     options = dict(options or {})
     if "units" in options_of(name) and "units" not in options:
         options["units"] = fsdp_units(model)
@@ -93,10 +85,6 @@ def fsdp_options(name: str, model, options: Optional[dict] = None) -> dict:
 def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> None:
     """InspectError if some BatchNorm would see 1 value per channel on a device: the unbiased
     running variance divides by count - 1. Found by tracing the model (no compute)."""
-    import jax
-
-    from jaxdp.models.batchnorm import BatchNorm
-
     def forward(x):
         variables = net.init(jax.random.key(0), x, train=False)
         _, state = net.apply(variables, x, train=False,
@@ -121,8 +109,6 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
     (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
     for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.engine.init`` (sharded, from ``seed``).
     ``schedule``: also the compiled step's collectives and compute in execution order (``schedule.py``)."""
-    import jax
-
     strategy.learn_structure(batch)
     if state is None:
         state = strategy.engine.init(jax.random.key(seed), batch) if variables is None else strategy.engine.init_state(variables)

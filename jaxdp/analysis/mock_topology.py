@@ -19,8 +19,8 @@ device 0 of 8. So one GPU compiles and runs the real 8-GPU step. Per strategy it
 
 If the installed jax cannot start the mock (a trivial ``psum`` over the N devices fails), the
 report says so in one line (``unsupported``) and nothing else runs. Writes ``mock.json`` and
-``mock.md`` to ``--out``. Nothing here imports jax at module level: the mock and the simulated
-device count must be set before jax starts.
+``mock.md`` to ``--out``. The mock, the platform and the simulated device count are set before
+jax creates its backend (``configure``), which importing jax does not do.
 """
 
 from __future__ import annotations
@@ -33,7 +33,18 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxdp.analysis.hlo import compiled_memory
+from jaxdp.analysis.measure import build_strategy
+from jaxdp.analysis.plan import compile_from_shapes, with_total
+from jaxdp.analysis.schedule import COMPUTE, async_overlap, entry_ops
+from jaxdp.analysis.state import strategy_formulas
+from jaxdp.config.flags import comma_ints
+from jaxdp.models import create_model
+from jaxdp.runtime.mesh import make_mesh, simulate_cpu_devices
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -41,25 +52,15 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 def configure(devices: int, cpu: bool) -> None:
     """Before jax starts its backend: ``devices`` simulated CPU devices, or the mock GPU topology."""
     if cpu:
-        from jaxdp.runtime.mesh import simulate_cpu_devices
-
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")  # not $JAX_PLATFORMS: jax read that when it was imported
         simulate_cpu_devices(devices)
         return
-    import jax
-
     jax.config.update("jax_mock_gpu_topology", f"1x{devices}x1")  # devices hosts of one GPU each
 
 
 def probe(devices: int) -> Optional[str]:
     """None when a ``psum`` over ``devices`` devices compiles and runs; else why not, in one line."""
     try:
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        from jaxdp.runtime.mesh import make_mesh
-
         mesh = make_mesh(devices)
         x = jax.make_array_from_callback((devices,), NamedSharding(mesh, P("data")),
                                          lambda index: np.ones((1,), np.float32))
@@ -80,8 +81,6 @@ def host_batch(net, rows: int, image_size: int, seed: int = 0) -> dict:
 def step_time(strategy, compiled, net, batch_per_device: int, image_size: int, steps: int) -> float:
     """The median seconds of ``steps`` runs of the ``compiled`` step (after one), fed a fresh state
     and this process's rows of a batch."""
-    import jax
-
     local = jax.local_device_count() if jax.process_count() > 1 else strategy.num_devices
     host = host_batch(net, batch_per_device * local, image_size)
     state = strategy.engine.init(jax.random.key(0), host)
@@ -97,15 +96,6 @@ def step_time(strategy, compiled, net, batch_per_device: int, image_size: int, s
 
 def analyse(name: str, n: int, net, *, batch_per_device: int, image_size: int, steps: int = 5) -> dict:
     """One strategy's step at N devices, compiled once: overlap, memory against the formula, step time."""
-    import jax
-
-    from jaxdp.analysis.hlo import compiled_memory
-    from jaxdp.analysis.measure import build_strategy
-    from jaxdp.analysis.plan import compile_from_shapes, with_total
-    from jaxdp.analysis.schedule import COMPUTE, async_overlap, entry_ops
-    from jaxdp.analysis.state import strategy_formulas
-    from jaxdp.runtime.mesh import make_mesh
-
     strategy = build_strategy(name, make_mesh(n), net, "sgd")
     compiled = compile_from_shapes(strategy, batch_per_device, image_size)
     state = strategy_formulas(strategy)
@@ -128,8 +118,6 @@ def analyse(name: str, n: int, net, *, batch_per_device: int, image_size: int, s
 
 def run(devices: int, strategies: Sequence[str], *, width: int, blocks, batch_per_device: int, image_size: int,
         dtype: str, steps: int, log=print) -> dict:
-    from jaxdp.models import create_model
-
     report = {"devices": devices, "batch_per_device": batch_per_device, "image_size": image_size,
               "model": f"resnet18 width {width}", "dtype": dtype, "rows": []}
     why = probe(devices)
@@ -137,8 +125,6 @@ def run(devices: int, strategies: Sequence[str], *, width: int, blocks, batch_pe
         report["unsupported"] = f"no {devices}-device program runs here ({why})"
         log(report["unsupported"])
         return report
-    import jax
-
     report.update(backend=jax.default_backend(), jax=jax.__version__, device_kind=jax.devices()[0].device_kind,
                   process_count=jax.process_count())
     net = create_model("resnet18", width=width, blocks=blocks, dtype=dtype)
@@ -194,8 +180,6 @@ def markdown(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxdp.config.flags import comma_ints
-
     p = argparse.ArgumentParser(prog="python -m jaxdp.analysis.mock_topology", description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--cpu", action="store_true", help="simulated CPU devices instead of the mock GPU topology")

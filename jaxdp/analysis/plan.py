@@ -34,15 +34,22 @@ a GPU's fusions and workspaces differ (an estimate there).
 The candidates are the registry's rows with ``planned`` (``candidates()``). Not planned: ``dp`` (``pmap``'s layout holds one state slot per device on a leading axis,
 which ``abstract_state`` does not build; its memory is ddp's plus device 0's gathered
 gradients).
-
-Nothing here imports jax at module level.
 """
 
 import math
 from typing import Callable, List, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jaxdp import registry
-from jaxdp.runtime.mesh import MeshDims  # jax-free
+from jaxdp.analysis.hlo import compiled_memory
+from jaxdp.analysis.measure import build_strategy, check_batchnorm_has_values
+from jaxdp.analysis.state import strategy_formulas
+from jaxdp.models import create_model
+from jaxdp.runtime.mesh import MeshDims, make_mesh
+from jaxdp.strategies import conversions, options_of
 
 MAX_BATCH = 1 << 16  # per device: the search stops here (shapes beyond it reach XLA's int32 indexing)
 
@@ -74,11 +81,6 @@ def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 
          verify: bool = True) -> dict:
     """The plan as a dict: the inputs, one row per (strategy, mesh) and the recommended row's index.
     ``strategies``: a subset of ``candidates()`` (None: all of them)."""
-    import jax
-
-    from jaxdp.analysis.measure import check_batchnorm_has_values
-    from jaxdp.models import create_model
-
     n = devices
     if n < 1 or global_batch_size % n:
         raise PlanError(f"--global-batch-size {global_batch_size} must split evenly over --devices {n}")
@@ -113,12 +115,6 @@ def recommend(rows: List[dict]) -> Optional[int]:
 def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: float, *, optimizer: str,
                   image_size: int, staleness: int, verify: bool) -> dict:
     """One row of the plan: formulas, the compiled memory at b, the largest batch that fits."""
-    from jaxdp.analysis.measure import build_strategy
-    from jaxdp.analysis.state import strategy_formulas
-    from jaxdp.runtime.mesh import make_mesh
-
-    from jaxdp.strategies import options_of
-
     takes = options_of(name)
     options = {k: v for k, v in (("mesh_shape", mesh_shape), ("staleness", staleness)) if k in takes}
     strategy = build_strategy(name, make_mesh(n), net, optimizer, options)
@@ -140,20 +136,12 @@ def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: flo
 
 def step_memory(strategy, batch_per_device: int, image_size: int) -> dict:
     """``memory_analysis()`` of the strategy's step at this per-device batch, compiled from shapes alone."""
-    from jaxdp.analysis.hlo import compiled_memory
-
     return with_total(compiled_memory(compile_from_shapes(strategy, batch_per_device, image_size)))
 
 
 def compile_from_shapes(strategy, batch_per_device: int, image_size: int):
     """The strategy's step compiled for an image batch of this size, from shapes alone (nothing
     is allocated); sets ``strategy.shapes``."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from jaxdp.strategies import conversions
-
     rows = batch_per_device * strategy.num_devices
     split = NamedSharding(strategy.mesh, P(strategy.batch_axes))
     batch = {"image": jax.ShapeDtypeStruct((rows, image_size, image_size, 3), strategy.model.dtype, sharding=split),

@@ -3,6 +3,7 @@
 import numpy as np
 
 from jaxdp.analysis.state import COMPRESSED_BYTES
+from jaxdp.strategies import facts
 
 
 def _mb(x) -> str:
@@ -11,8 +12,6 @@ def _mb(x) -> str:
 
 def _formula_name(r: dict) -> str:
     """The strategy's ``facts.traffic_text``, its all-reduce written as its options make it."""
-    from jaxdp.strategies import facts
-
     compress = r.get("options", {}).get("compress")
     if compress == "powersgd":
         allreduce = "compressed step: 2(N-1)/N·p·(uncompressed + Σ(rows+cols)·r)"

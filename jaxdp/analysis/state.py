@@ -48,22 +48,28 @@ uncompressed tensors plus (rows + cols)·r per compressed one (zero1: plus its
 all-gather). Ψ_pad and Ψ_root are padded for the shard count. The measured total also
 holds the small BN-buffer broadcast and metric reductions every strategy does. What each
 strategy shards and its traffic formula are its facts (``jaxdp.strategies.facts``).
-
-Nothing here imports jax at module level.
 """
 
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS
+from jaxdp.strategies import facts
+from jaxdp.strategies.factsheet import Sizes
+from jaxdp.strategies.layout import padded_shape
+from jaxdp.strategies.sync.buckets import leaf_path
+from jaxdp.strategies.sync.powersgd import leaf_name, matrix_shape
+from jaxdp.strategies.units import in_unit
 
 COMPRESSED_BYTES = {"bf16": 2, "fp16": 2}  # bytes per value on the wire with DDP's low-precision hooks
 
 
 def param_count(model) -> int:
     """Ψ from the model's shapes alone (``jax.eval_shape``: nothing is allocated or compiled)."""
-    import jax
-    import jax.numpy as jnp
-
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3), model.dtype),
                                                train=False))
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes["params"])))
@@ -72,21 +78,12 @@ def param_count(model) -> int:
 def padded_count(params, n: int) -> int:
     """Ψ_pad: params counted as sharded ``n`` ways (``layout.padded_shape``: only a tensor with no
     dimension divisible by ``n`` grows, along its largest dimension)."""
-    import jax
-
-    from jaxdp.strategies.layout import padded_shape
-
     return int(sum(np.prod(padded_shape(np.shape(x), n), dtype=np.int64) for x in jax.tree_util.tree_leaves(params)))
 
 
 def root_params(strategy, params):
     """The params outside every FSDP unit of a ZeRO-3/HSDP strategy (gathered once per step):
     the whole tree when it has no units; None for other strategies."""
-    import jax
-
-    from jaxdp.strategies.sync.buckets import leaf_path
-    from jaxdp.strategies.units import in_unit
-
     if not strategy.sharded_params:
         return None
     units = strategy.unit_paths or []
@@ -95,8 +92,6 @@ def root_params(strategy, params):
 
 def device_bytes(tree) -> int:
     """Bytes of ``tree`` on the first device that holds each array."""
-    import jax
-
     return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
@@ -104,8 +99,6 @@ def state_bytes(state, strategy, params) -> dict:
     """Measured per-device bytes of params, optimizer state (split: per-param leaves, scalar
     counts) and ``extra``. Which optimizer leaves are scalars is read from DDP's layout
     (``tx.init(params)``): dp's leaves all carry a leading device axis."""
-    import jax
-
     opt = jax.tree_util.tree_leaves(state.opt_state)
     scalar = [x.ndim == 0 for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params))]
     return {
@@ -132,8 +125,6 @@ class _SyncSpy:
 
 
 def _nbytes(tree) -> int:
-    import jax
-
     return int(sum(g.size * g.dtype.itemsize for g in jax.tree_util.tree_leaves(tree)))
 
 
@@ -145,10 +136,6 @@ def kept_grad_bytes(strategy, state, batch) -> int:
     async, zero1), else the gradient it hands ``tx.update`` (zero2/3, hsdp: the chunk;
     dp: device 0's sum, in ``pmap``'s per-device shapes).
     """
-    import jax
-    import jax.numpy as jnp
-    import optax
-
     seen = {}
     tx, sync = strategy.tx, getattr(strategy, "sync", None)
 
@@ -178,10 +165,6 @@ def _powersgd(strategy):
 
 def extra_formula(strategy, params, p: int) -> int:
     """Bytes of ``extra`` per device: async's k params copies; PowerSGD's error (pΨ) and Qs (cols·r each)."""
-    import jax
-
-    from jaxdp.strategies.sync.powersgd import leaf_name, matrix_shape
-
     psi = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     powersgd = _powersgd(strategy)
     if powersgd is not None:
@@ -193,8 +176,6 @@ def extra_formula(strategy, params, p: int) -> int:
 
 def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int, extra: int = 0) -> dict:
     """The ZeRO table: exact (Ψ/N) and with this layout's padding (Ψ_pad/N)."""
-    from jaxdp.strategies import facts
-
     sharded = facts(name).sharded
     per_param = {"params": p, "grads": p, "opt": k}
     exact = {part: b * psi / shards if part in sharded else b * psi for part, b in per_param.items()}
@@ -205,10 +186,6 @@ def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int
 def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
     """The compressed step's ring bytes: the uncompressed tensors all-reduced whole, each
     compressed one as its P (rows·r) and Q (cols·r)."""
-    import jax
-
-    from jaxdp.strategies.sync.powersgd import leaf_name, matrix_shape
-
     plan = _powersgd(strategy).plan(params)
     values = 0
     for path, x in jax.tree_util.tree_leaves_with_path(params):
@@ -220,8 +197,6 @@ def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
 def strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape, root_pad: int = 0) -> Optional[float]:
     """The strategy's traffic formula (its ``facts.traffic``; None if it has none), with the ring bytes
     of its all-reduce as its options make them: 2(N-1)/N·cΨ, c = p or the compressed wire's, or PowerSGD's."""
-    from jaxdp.strategies.factsheet import Sizes
-
     n, traffic = strategy.num_devices, strategy.facts.traffic
     if _powersgd(strategy) is not None:
         allreduce = powersgd_traffic_formula(strategy, params, n, p)
@@ -238,10 +213,6 @@ def strategy_formulas(strategy) -> dict:
     state as DDP holds it), the ZeRO table per device (exact and padded) and the traffic per step.
     The table and the data-parallel traffic apply to what one device of the model axis holds
     (the full params without one: Ψ_local = Ψ; ``jaxdp.analysis.axes``)."""
-    import jax
-
-    from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS
-
     params = strategy.local_shapes
     leaves = jax.tree_util.tree_leaves(params)
     psi = int(sum(np.prod(x.shape) for x in leaves))

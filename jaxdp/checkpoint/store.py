@@ -40,6 +40,8 @@ from typing import Callable, List, Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
+from jaxdp.runtime.distributed import share_from_first
+
 MANIFEST = "jaxdp_manifest.json"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
@@ -242,8 +244,6 @@ class Checkpointer:
     def _verify_once(self, step: int) -> bool:
         """``verify`` on process 0 only (one read of the files, not one per process); every
         process gets its verdict, so all of them resume from the same step."""
-        from jaxdp.runtime.distributed import share_from_first
-
         verdict = ""
         if jax.process_index() == 0:
             try:

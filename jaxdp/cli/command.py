@@ -94,7 +94,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 def _user_errors():
     """Exceptions that mean 'the user asked for something impossible': one line, no traceback."""
     from jaxdp.checkpoint import CheckpointError
-    from jaxdp.data import DatasetError
+    from jaxdp.data import DatasetError  # not for --help: the data package adds ~40 ms to its start
     from jaxdp.models import ModelError
     from jaxdp.optim import ConfigError
     from jaxdp.strategies import StrategyError
@@ -169,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _simulate_devices(args: argparse.Namespace) -> None:
-    """--devices N on CPU: ask XLA for N devices, before jax is imported (``jaxdp.runtime.startup``)."""
+    """--devices N on CPU: ask XLA for N devices, before jax starts (``jaxdp.runtime.startup``)."""
     devices = getattr(args, "devices", None)
     if isinstance(getattr(args, "mesh", None), str):  # --mesh in train, inspect, parity
         try:

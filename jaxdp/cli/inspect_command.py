@@ -1,7 +1,8 @@
 """The ``jaxdp inspect`` subcommand (``INSPECT``): its options, and the run that prints the report
 of ``jaxdp.analysis``.
 
-Jax-free at import: the parser is built before ``--devices`` sets XLA's device count.
+Jax-free at import, as the whole parser: ``run`` imports ``jaxdp.analysis`` (and so jax) once the
+arguments are parsed and ``--devices`` has set XLA's device count.
 """
 
 import json
@@ -9,19 +10,17 @@ import math
 import sys
 import types
 
-from jaxdp.analysis.measure import InspectError, inspect_strategy
-from jaxdp.analysis.report import format_report
 from jaxdp.cli.commands import Command
+from jaxdp.config import choices
 from jaxdp.config.flags import VIT_SIZES, add_arguments, add_mesh_flag, add_vit_flags, comma_ints
 from jaxdp.config.step import StrategyOptions, options_where
+from jaxdp.runtime.mesh import MeshError, mesh_sizes, simulate_cpu_devices
 
 DEFAULT_DEVICES = 8
 FLAGS = options_where(inspect=True)  # the strategy options whose fields say inspect takes them
 STRATEGY_OPTIONS = tuple(n for n in FLAGS if n != "mesh_shape")  # passed on; mesh_shape is inspect's own argument
 
 def add_inspect_args(p) -> None:
-    from jaxdp.config import choices
-
     p.add_argument("--strategy", default="zero3", metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
     p.add_argument("--devices", type=int, default=None, help=f"devices (simulated on CPU; default {DEFAULT_DEVICES})")
     add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
@@ -40,8 +39,6 @@ def add_inspect_args(p) -> None:
 
 def add_model_args(p) -> None:
     """The model, its input and its optimizer: what ``inspect`` and ``plan`` build."""
-    from jaxdp.config import choices
-
     p.add_argument("--model", default="resnet18", metavar=choices.listing(choices.MODELS), help="architecture")
     p.add_argument("--width", type=int, default=64, help="ResNet: channels of the first stage (64 = torchvision)")
     p.add_argument("--blocks", type=comma_ints, default=None, help="ResNet: blocks per stage, e.g. 1,1,1,1 (default: the model's)")
@@ -55,8 +52,6 @@ def add_model_args(p) -> None:
 def _mesh_and_devices(args):
     """(named mesh sizes or None, device count): ``--mesh`` or ``--devices`` (default 8), simulated
     on CPU before jax starts."""
-    from jaxdp.runtime.mesh import mesh_sizes, simulate_cpu_devices
-
     mesh = mesh_sizes(args.mesh, args.devices) if args.mesh else None
     devices = math.prod(mesh.values()) if mesh else args.devices or DEFAULT_DEVICES
     simulate_cpu_devices(devices)  # a no-op once jax runs or XLA_FLAGS fixes the count
@@ -64,7 +59,8 @@ def _mesh_and_devices(args):
 
 
 def run(args) -> int:
-    from jaxdp.runtime.mesh import MeshError
+    from jaxdp.analysis.measure import InspectError, inspect_strategy
+    from jaxdp.analysis.report import format_report
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 

@@ -37,6 +37,7 @@ is killed. Ctrl-C (SIGINT) and SIGTERM are passed on to every process (a second
 Ctrl-C kills them; so does the launcher 30 s after the first).
 """
 
+import ctypes
 import os
 import queue
 import signal
@@ -47,6 +48,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from jaxdp.runtime.distributed import ENV_COORDINATOR_PORT, first_host
 from jaxdp.runtime.startup import with_device_count
 
 POLL_S = 0.05
@@ -78,8 +80,6 @@ def plan(nprocs: Optional[int] = None, num_processes: Optional[int] = None, proc
     if local < 1:
         raise LaunchError(f"--nprocs must be >= 1, got {local}")
     if coordinator is None and "SLURM_PROCID" in env and "SLURM_NTASKS" in env and num_processes is None:
-        from jaxdp.runtime.distributed import ENV_COORDINATOR_PORT, first_host
-
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
         port = env.get(ENV_COORDINATOR_PORT) or str(61440 + int(env.get("SLURM_JOB_ID", "0")) % 4096)
         coordinator = f"{first_host(nodes)}:{port}"
@@ -119,8 +119,6 @@ def child_env(base: Dict[str, str], coordinator: str, total: int, process_id: in
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL me when the launcher dies (Linux; elsewhere a no-op)."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass

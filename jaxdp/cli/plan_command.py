@@ -6,11 +6,14 @@ and the table it prints.
 Jax-free at import: the parser is built before ``--devices`` sets XLA's simulated device count.
 """
 
+import argparse
 import json
 import os
 import re
 
+from jaxdp import registry
 from jaxdp.cli.commands import Command, CommandError
+from jaxdp.cli.inspect_command import add_model_args
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -18,8 +21,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def memory_size(text: str) -> float:
     """``80GiB``, ``16GB``, ``512MiB`` or plain bytes -> bytes (argparse's one-line error otherwise)."""
-    import argparse
-
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 80GiB, 16GB or 512MiB, got {text!r}")
@@ -27,15 +28,12 @@ def memory_size(text: str) -> float:
 
 
 def add_plan_args(p) -> None:
-    from jaxdp.analysis.plan import candidates
-    from jaxdp.cli.inspect_command import add_model_args
-
     p.add_argument("--devices", type=int, default=8, help="devices N (compiled for N simulated CPU devices)")
     p.add_argument("--device-memory", type=memory_size, default=80 * 2**30, help="memory per device, e.g. 80GiB")
     p.add_argument("--global-batch-size", type=int, default=256, help="images per step over all devices")
     add_model_args(p)
     p.add_argument("--strategies", type=lambda text: tuple(text.split(",")), default=None,
-                   help=f"a subset of {','.join(candidates())} (default: all)")
+                   help=f"a subset of {','.join(registry.names(planned=True))} (default: all)")
     p.add_argument("--staleness", type=int, default=1, help="async's staleness bound k")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the third compile that checks the largest batch")
@@ -44,6 +42,7 @@ def add_plan_args(p) -> None:
 
 def run(args) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"  # the N devices are simulated CPU devices, also on a GPU host
+    # after that line: jax reads $JAX_PLATFORMS when it is imported
     from jaxdp.analysis.measure import InspectError
     from jaxdp.analysis.plan import PlanError, plan
 

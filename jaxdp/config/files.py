@@ -8,6 +8,7 @@ an unknown key is an error that names it, as an unknown flag would be.
 
 import json
 import os
+import tomllib
 from typing import Any, Dict, Iterable
 
 from jaxdp.config.tree import TrainConfig, TrainError
@@ -64,7 +65,7 @@ def _json(path: str):
 
 def _yaml(path: str):
     try:
-        import yaml
+        import yaml  # PyYAML: not a jaxdp dependency, only a .yaml config file needs it
     except ImportError:
         raise TrainError(f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use .toml") from None
     with open(path) as f:
@@ -72,9 +73,5 @@ def _yaml(path: str):
 
 
 def _toml(path: str):
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
     with open(path, "rb") as f:
         return tomllib.load(f)

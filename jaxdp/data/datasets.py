@@ -11,7 +11,10 @@ import os
 
 from jaxdp.names import DATASETS  # the names (jaxdp.names); their loaders are here
 
+from . import cifar10
 from .arrays import ArrayDataset, DatasetError
+from .digits import load_digits
+from .synthetic import make_synthetic
 
 # Where `load_dataset("cifar10")` looks when no data_dir is given.
 DATA_DIR_ENV = "JAXDP_DATA_DIR"
@@ -38,17 +41,11 @@ def load_dataset(
     digits: scikit-learn's 1,797 real 8x8 handwritten digits (in its wheel: offline).
     """
     if name == "synthetic":
-        from .synthetic import make_synthetic
-
         num_train, num_test = synthetic_size
         return make_synthetic(num_train, num_test, seed=seed)
     if name == "cifar10":
-        from . import cifar10
-
         return cifar10.load_cifar10(data_dir or default_data_dir(), download=download)
     if name == "digits":
-        from .digits import load_digits
-
         return load_digits()
     raise DatasetError(
         f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}"

@@ -20,7 +20,7 @@ SPLIT_SEED = 20240917  # the split is part of the dataset, not of a run
 
 def load_digits() -> tuple[ArrayDataset, ArrayDataset]:
     try:
-        from sklearn.datasets import load_digits as sklearn_digits
+        from sklearn.datasets import load_digits as sklearn_digits  # the [digits] extra
     except ImportError:
         raise DatasetError("--dataset digits needs scikit-learn: pip install 'jaxdp[digits]' "
                            "(or scikit-learn)") from None

@@ -36,7 +36,9 @@ from typing import Callable, List, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from jaxdp.loss.task import Classifier, eval_sums, loss_and_accuracy
 from jaxdp.runtime.mesh import MODEL_AXIS, STAGE_AXIS, axis_size
 from jaxdp.parallel.tensor import Column, TensorParallel, path_name
 
@@ -309,16 +311,12 @@ class PipelinedClassifier:
     the stacked params; the strategy trains it as it trains any task."""
 
     def __init__(self, pipeline: Pipeline, task):
-        from jaxdp.loss.task import Classifier
-
         if not isinstance(task, Classifier):
             raise PipelineError("pipeline stages run a classifier's loss (jaxdp.classifier(model)); a custom "
                                 "loss_fn cannot be cut into stages yet")
         self.pipeline, self.model_inputs, self.init_kwargs = pipeline, task.model_inputs, task.init_kwargs
 
     def loss_fn(self, params, model_state, batch, rng=None):
-        from jaxdp.loss.task import loss_and_accuracy
-
         m, scale = self.pipeline.microbatches, self.loss_scale()
 
         def scaled(logits, mb):  # each micro-batch's mean, scaled by 1/M: their sum is the batch's mean
@@ -332,8 +330,6 @@ class PipelinedClassifier:
         return 1.0 / self.pipeline.microbatches
 
     def eval_fn(self, params, model_state, batch):
-        from jaxdp.loss.task import eval_sums
-
         size = jax.tree_util.tree_leaves(batch)[0].shape[0]  # evaluation batches need not divide by M
         micro = self.pipeline.microbatched(batch, largest_divisor(size, self.pipeline.microbatches))
         return self.pipeline.run(params, micro, lambda mb: mb["image"], eval_sums)
@@ -354,7 +350,5 @@ class StackedInit:
 def relayout(state, tx, fn):
     """``fn`` (``Pipeline.stack`` or ``unstack``) on a train state's params and on every params-shaped
     part of its optimizer state (momentum, Adam's moments; step counts are left alone)."""
-    import optax
-
     return state.replace(params=fn(state.params), opt_state=optax.tree_utils.tree_map_params(
         tx, fn, state.opt_state, is_leaf=lambda _: True))

@@ -31,7 +31,7 @@ import jax
 from flax import errors as flax_errors
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.parallel.tensor import model_axis_size, summed_over
+from jaxdp.parallel.tensor import TensorParallelError, model_axis_size, summed_over
 
 GUIDE = ("build column-parallel layers with column_features(features, self.model_axis) outputs and row-parallel ones "
          "with dot_general=row_parallel(self.model_axis) (jaxdp.parallel.protocol, docs/strategies.md)")
@@ -52,8 +52,6 @@ def check_split(model, variables, specs, batch, model_inputs, mesh, axis: str, s
     """Apply ``model`` (already cloned with ``model_axis``) to ``variables`` cut as ``specs`` say
     and ``model_inputs(batch)``, shapes only, on ``mesh``; raise ``TensorParallelError`` in one line if it does not take its
     slices or if its output still differs per model device. Other failures are left to the step."""
-    from jaxdp.parallel.tensor import TensorParallelError
-
     name, varying = type(model).__name__, []
 
     def local(variables, batch):

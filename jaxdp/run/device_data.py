@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.data.augment import CIFAR10_MEAN, CIFAR10_STD, PAD, augment_params
 from jaxdp.data.augment import normalize as host_normalize
@@ -39,8 +42,6 @@ def normalize(pixels, mean=CIFAR10_MEAN, std=CIFAR10_STD):
     table is the numpy pipeline's own output for every pixel value and channel, so the
     device's values equal it bit for bit, on any backend and at any optimisation level.
     """
-    import jax.numpy as jnp
-
     channels = pixels.shape[-1]
     levels = np.repeat(np.arange(256, dtype=np.uint8)[:, None], channels, axis=1)
     table = jnp.asarray(host_normalize(levels, mean, std))  # (256, C)
@@ -53,9 +54,6 @@ def crop_flip(images, dy, dx, flip):
     Pads with zeros, takes each image's (H, W) window at (dy, dx) and mirrors it where
     ``flip``: the window numpy's ``augment`` slices, one dynamic slice per image.
     """
-    import jax
-    import jax.numpy as jnp
-
     h, w, c = images.shape[1:]
     padded = jnp.pad(images, ((0, 0), (PAD, PAD), (PAD, PAD), (0, 0)))
     # Start indices of one dtype (a literal 0 would be int64 beside int32 under jax_enable_x64).
@@ -82,9 +80,6 @@ def on_batch_rows(strategy, fn, replicated: int = 0):
     """``fn`` jitted and ``shard_map``ped over ``strategy``'s mesh: its first ``replicated``
     arguments whole on every device, the last one's rows split over the batch axes as
     ``strategy.engine.shard_batch`` splits a batch, and so is the result."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
     rows = P(strategy.batch_axes)
     return jax.jit(jax.shard_map(fn, mesh=strategy.mesh, in_specs=(*[P()] * replicated, rows), out_specs=rows))
 
@@ -111,9 +106,6 @@ class DeviceDataset:
     function that turns a step's draws into that strategy's batch."""
 
     def __init__(self, dataset, strategy):
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
         if len(dataset) >= 2**31:
             raise ValueError(f"{dataset.name}: {len(dataset)} samples do not fit int32 ids")
         self.dataset, self.strategy = dataset, strategy
@@ -146,8 +138,6 @@ def dataset_bytes(dataset) -> int:
 def device_memory(device) -> int:
     """Bytes one device may use: its allocator's limit, or on the CPU backend (no limit
     reported) the host's memory shared by this process's devices."""
-    import jax
-
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])

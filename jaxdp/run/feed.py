@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
+
+from jaxdp.data import Prefetcher, epoch_indices
+from jaxdp.data.augment import augment
+from jaxdp.data.workers import CropWorkers
+from jaxdp.run.device_data import DeviceDataset, choose, normalized_batches, step_draws
 
 AHEAD = 2  # batches placed on the devices ahead of the step
 
@@ -26,10 +32,6 @@ AHEAD = 2  # batches placed on the devices ahead of the step
 def make_feed(cfg, setup, ranks):
     """The feed ``--data-on-device`` and ``--data-workers`` ask for, and the line that says
     which (printed at start)."""
-    import jax
-
-    from jaxdp.run.device_data import choose
-
     strategy = setup.strategy
     device = next(d for d in strategy.mesh.devices.flat if d.process_index == jax.process_index())
     on_device, why = choose(cfg.data_on_device, setup.train_set, device)
@@ -59,8 +61,6 @@ class _Feed:
 
     def steps(self, epoch: int, first: int):
         """This process's ids of each step from ``first`` (the DistributedSampler rows)."""
-        from jaxdp.data import epoch_indices
-
         return epoch_indices(len(self.train_set), num_replicas=self.strategy.num_devices,
                              batch_per_replica=self.per_device, epoch=epoch, seed=self.seed, start_step=first,
                              ranks=self.ranks)
@@ -73,16 +73,11 @@ class DeviceFeed(_Feed):
     """Batches built on the devices from the set placed there once (``jaxdp.run.device_data``)."""
 
     def __init__(self, *args):
-        from jaxdp.run.device_data import DeviceDataset
-
         super().__init__(*args)
         self.data = DeviceDataset(self.train_set, self.strategy)
 
     def epoch(self, epoch: int, first: int = 0):
         """(batch on the mesh, ids) for each step of ``epoch`` from step ``first``."""
-        from jaxdp.data import Prefetcher
-        from jaxdp.run.device_data import step_draws
-
         hflip = self.train_set.hflip
         steps = ((self.data.batch(step_draws(ids, self.seed, epoch, hflip)), ids) for ids in self.steps(epoch, first))
         return Prefetcher(steps, size=AHEAD)
@@ -92,18 +87,12 @@ class HostFeed(_Feed):
     """numpy crops on the host (``epoch_batches``' own ``augment``), normalised on the devices."""
 
     def __init__(self, *args, workers: int = 0):
-        from jaxdp.data.workers import CropWorkers
-        from jaxdp.run.device_data import normalized_batches
-
         super().__init__(*args)
         self.pool = CropWorkers(self.train_set, workers) if workers else None
         self._normalized = normalized_batches(self.strategy)
 
     def epoch(self, epoch: int, first: int = 0):
         """(batch on the mesh, ids) for each step of ``epoch`` from step ``first``."""
-        from jaxdp.data import Prefetcher
-        from jaxdp.data.augment import augment
-
         train, seed, steps = self.train_set, self.seed, self.steps(epoch, first)
         if self.pool is not None:
             crops = self.pool.crops(steps, seed=seed, epoch=epoch)

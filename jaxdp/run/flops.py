@@ -21,6 +21,10 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import jax
+
+from jaxdp.models import create_model
+
 # forward + backward = 3 x forward: the backward's two products per forward product.
 TRAIN_FACTOR = 3
 
@@ -28,8 +32,6 @@ TRAIN_FACTOR = 3
 def forward_flops(fn, *args) -> float:
     """2 x the multiply-accumulates of the convolutions and matrix products ``fn(*args)``
     runs (``args``: arrays or ``jax.ShapeDtypeStruct``s); nothing is computed."""
-    import jax
-
     return _jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
@@ -76,8 +78,6 @@ def train_flops_per_image(model, *inputs, apply_kwargs: Optional[dict] = None) -
     """Model FLOPs of training a Flax model on one example: ``inputs`` hold one example each
     (a leading axis of 1; arrays or ``jax.ShapeDtypeStruct``s), ``apply_kwargs`` what
     ``model.apply`` takes besides (None: ``train=False``, as jaxdp's models)."""
-    import jax
-
     kwargs = {"train": False} if apply_kwargs is None else apply_kwargs
     variables = jax.eval_shape(lambda *xs: model.init(jax.random.key(0), *xs, **kwargs), *inputs)
     return TRAIN_FACTOR * forward_flops(lambda v, *xs: model.apply(v, *xs, **kwargs), variables, *inputs)
@@ -85,10 +85,6 @@ def train_flops_per_image(model, *inputs, apply_kwargs: Optional[dict] = None) -
 
 def model_flops_per_image(name: str, image_shape: Sequence[int] = (32, 32, 3), **options) -> float:
     """``train_flops_per_image`` of ``jaxdp.models.create_model(name, **options)`` on one image."""
-    import jax
-
-    from jaxdp.models import create_model
-
     model = create_model(name, **options)
     return train_flops_per_image(model, jax.ShapeDtypeStruct((1, *image_shape), model.dtype))
 

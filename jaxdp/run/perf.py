@@ -15,6 +15,9 @@ on whether XLA uses TF32.
 Memory per device: the device's own peak bytes in use (``memory_stats()``, GPUs), else
 the compiled step's footprint (``memory_analysis()``: arguments + outputs + temporaries -
 donated buffers), which is what XLA:CPU reports.
+
+Jax-free at import (jax in the functions that use it): bench's parser reads ``PEAK_FLOPS``, and
+gpu-check imports ``enable_compile_cache`` before it asks whether jax has started.
 """
 
 import os

@@ -17,6 +17,7 @@ import shutil
 from typing import Optional
 
 from jaxdp.config.tree import TrainConfig, TrainError
+from jaxdp.run.scalars import open_scalar_writer
 
 NOTHING_TO_RESUME = ("--resume: {out} holds no checkpoint to resume from (check --out, or drop --resume "
                      "to start a new run there)")
@@ -65,8 +66,6 @@ class MetricsLog:
     trainers write the same records through it."""
 
     def __init__(self, out: str, enabled: bool, keep_through_step: int, tensorboard: bool = True):
-        from jaxdp.run.scalars import open_scalar_writer
-
         self._lines = JsonLines(os.path.join(out, "metrics.jsonl"), enabled, keep_through_step)
         self._scalars = (open_scalar_writer(os.path.join(out, TENSORBOARD_DIR), keep_through_step)
                          if enabled and tensorboard else None)

@@ -17,6 +17,10 @@ task per host drives all its GPUs, and ``jaxdp launch --devices-per-proc`` (or
 Preemption: ``jax.distributed.initialize`` starts JAX's preemption sync manager, which
 catches SIGTERM in every process and agrees on one step at which all of them stop
 (``preemption_sync_point``): the job checkpoints that step together and exits.
+
+Jax-free at import: the parser asks ``distributed_env`` how many processes share ``--devices``.
+A cluster's detection imports jax then, before XLA's flags are set, which is early enough: jax
+reads them when it creates its backend.
 """
 
 import os

@@ -1,9 +1,12 @@
 """Device meshes and host-to-device batch placement (joining a multi-process job: ``jaxdp.runtime.distributed``).
 
 Simulating N devices on a CPU-only machine: set
-``XLA_FLAGS=--xla_force_host_platform_device_count=N`` *before* jax is imported
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before jax creates its backend
 (``jaxdp train --devices N`` does this for you). Each simulated device is a
 separate XLA CPU device, so collectives and shardings behave as on real hardware.
+
+Jax-free at import: the parser reads ``MeshDims`` and ``--mesh`` here before jax starts, so
+``make_mesh`` and the batch placements import jax in their bodies.
 """
 
 from dataclasses import dataclass

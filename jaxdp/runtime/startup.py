@@ -1,10 +1,12 @@
-"""Start-up: the XLA and device flags, set before jax is imported.
+"""Start-up: the XLA and device flags, set after parsing and before jax starts.
 
-jax reads ``XLA_FLAGS`` once, when it is first imported. So the command line (``jaxdp.cli.command``)
-parses its arguments with jax-free modules only (the configuration tree), sets the flags
-here, and only then imports the modules that run the command; those import jax at module
-level. A script that simulates devices calls ``simulate_cpu_devices`` before its first
-``import jax``. Imports nothing of jaxdp (and no jax).
+jax reads ``XLA_FLAGS`` once, when it creates its backend (the first ``jax.devices()`` or array),
+not when it is imported (measured on jax 0.10.2: ``import jax, flax, optax``, then the flag, gives
+that many devices). The command line (``jaxdp.cli.command``) parses its arguments with jax-free
+modules only (the configuration tree), so that ``--help`` starts without jax's second of imports,
+sets the flags here, and only then imports the modules that run the command; those import jax
+at module level. A script that simulates devices calls ``simulate_cpu_devices`` before its first
+``jax.devices()`` (before ``import jax`` is simplest). Imports nothing of jaxdp (and no jax).
 """
 
 import os
