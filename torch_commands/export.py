@@ -13,7 +13,11 @@ imports neither jax nor torch until it runs.
 import argparse
 import os
 
+import numpy as np
+
 from jaxdp.cli.commands import Command, CommandError
+from jaxdp.config import files as config_file
+from jaxdp.config.tree import TrainConfig, TrainError
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
@@ -27,12 +31,9 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 def exported_state_dict(run_dir: str, step=None):
     """(numpy state_dict in torch names, the checkpoint's step)."""
     import jax
-    import numpy as np
     import orbax.checkpoint as ocp
 
-    from jaxdp.config import files as config_file
     from jaxdp.checkpoint import CheckpointError, Checkpointer
-    from jaxdp.config.tree import TrainConfig
     from jaxdp.interop import state_dict_from_variables
     from jaxdp.models import create_model
 
@@ -62,8 +63,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from jaxdp.checkpoint import CheckpointError
-    from jaxdp.config.tree import TrainError
-
     try:
         state_dict, step = exported_state_dict(args.run_dir, args.step)
     except (CheckpointError, TrainError) as e:

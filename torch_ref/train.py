@@ -39,8 +39,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from jaxdp.cli.command import add_train_args, config_from_args
 from jaxdp.config.tree import (TrainConfig, TrainError, batchnorm_batch_error, check_choice, check_config, end_position,
                           epoch_length, per_device_batch, total_steps)
+from jaxdp.data import DatasetError, Prefetcher, epoch_batches, eval_batches, load_dataset
 from jaxdp.run.interrupts import DeferredInterrupt, exit_status, interrupted_message
 from jaxdp.run.progress import Throughput, progress_bar, say
 from jaxdp.run.rundir import MetricsLog, check_fingerprint, refuse_earlier_run, remove_run_files, write_config
@@ -93,8 +95,6 @@ def data_layout(cfg: TrainConfig):
 def _setup(cfg: TrainConfig, speed: Optional[dict] = None):
     """As ``jaxdp.run.setup.build``: everything that can be refused is, before the dataset
     loads and before anything is written."""
-    from jaxdp.data import load_dataset
-
     if cfg.dtype not in DTYPES:
         raise TrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     check_choice("strategy", cfg.strategy, STRATEGIES)
@@ -150,8 +150,6 @@ def batch_to_torch(runner: Runner, images: np.ndarray, labels: np.ndarray):
 def evaluate(runner: Runner, test_set, replicas: int, rows, per_device: int) -> dict:
     """Loss and accuracy over every test sample exactly once (``eval_batches``' mask drops
     the padding), with rank 0's BN running stats on every rank, summed over ranks."""
-    from jaxdp.data import eval_batches
-
     par = runner.parallel
     totals = torch.zeros(3, dtype=torch.float64)
     with par.evaluating() as model:
@@ -175,8 +173,6 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, speed: Op
     returns a summary. ``stop_after_steps`` simulates an interruption: checkpoint, return.
     ``speed``: ``step_api``'s speed settings (``{"compile": "inductor"}``, ``{"tuned": True}``).
     Ctrl-C and SIGTERM in a world of one: as ``jaxdp.run.train.train`` (see ``jaxdp.run.interrupts``)."""
-
-    from jaxdp.data import Prefetcher, epoch_batches
 
     tdist.init()
     check_config(cfg)
@@ -327,8 +323,6 @@ def add_backend_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxdp.cli.command import add_train_args
-
     parser = argparse.ArgumentParser(
         prog="torch_ref.train", description=__doc__.splitlines()[0],
         epilog="Launch N ranks with: torchrun --nproc_per_node N -m torch_ref.train ...")
@@ -342,20 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
-    from jaxdp.cli.command import config_from_args
-
     return config_from_args(build_parser().parse_args(argv))
 
 
 def _user_errors():
-    from jaxdp.data import DatasetError
-
     return (TrainError, StrategyError, ckpt.CheckpointError, DatasetError, tdist.BackendError)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from jaxdp.cli.command import config_from_args
-
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     is_main = True

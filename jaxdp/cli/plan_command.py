@@ -42,7 +42,7 @@ def add_plan_args(p) -> None:
 
 def run(args) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"  # the N devices are simulated CPU devices, also on a GPU host
-    # after that line: jax reads $JAX_PLATFORMS when it is imported
+    # jax (imported with these) reads $JAX_PLATFORMS when it is imported: after the line above
     from jaxdp.analysis.measure import InspectError
     from jaxdp.analysis.plan import PlanError, plan
 

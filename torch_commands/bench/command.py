@@ -13,24 +13,24 @@ import os
 import sys
 
 from jaxdp.cli.commands import Command
-from jaxdp.config.flags import VIT_SIZES, comma_ints
+from jaxdp.config import choices
+from jaxdp.config.flags import VIT_SIZES, add_vit_flags, comma_ints, deprecated_alias
+from jaxdp.config.tree import TrainError  # not jaxdp.models: jax must not start before prepare_jax
+from jaxdp.runtime.mesh import mesh_sizes
 from torch_commands.bench import cuda_host
 from torch_commands.bench.bare import bare_markdown
-from torch_commands.bench.gpu_preset import quick_markdown
+from torch_commands.bench.gpu_preset import quick_markdown, run_preset
 from torch_commands.bench.jax_side import prepare_jax
 from torch_commands.bench.layouts import layout_markdown, run_layouts
 from torch_commands.bench.levers import LEVERS, levers
 from torch_commands.bench.report import HEADER, exit_status, markdown, plots, problems_markdown
-from torch_commands.bench.runner import run_bench
+from torch_commands.bench.runner import BenchError, environment, run_bench
 from torch_commands.bench.variants import add_variant_args, axes_from
 
 QUICK = dict(width=8, blocks=(1, 1, 1, 1), global_batch=16, steps=10, warmup=2, n=(1, 2))
 
 
 def add_bench_args(p) -> None:
-    from jaxdp.config import choices
-    from jaxdp.config.flags import add_vit_flags, deprecated_alias
-
     p.add_argument("--strategies", default=None, help="comma list (default: every registered strategy)")
     p.add_argument("--devices", dest="n", type=comma_ints, default=None,
                    help="device counts, e.g. 1,2,4,8 (default 1,2,4,8)")
@@ -84,8 +84,6 @@ def add_bench_args(p) -> None:
 def _resolve(args) -> dict:
     gpu = cuda_host()
     q = QUICK if args.quick else {}
-    from jaxdp.config.tree import TrainError  # not jaxdp.models: jax must not start before prepare_jax
-
     resnet = not args.model.startswith("vit")  # a ViT keeps its named size: width/blocks are ResNet's
     if not resnet and (args.width or args.blocks):
         raise TrainError(f"--width/--blocks size a ResNet, not {args.model}")
@@ -108,8 +106,6 @@ def _resolve(args) -> dict:
 
 
 def run(args) -> int:
-    from jaxdp.config import choices
-
     cfg = _resolve(args)
     if args.meshes:
         return run_meshes(args, cfg)
@@ -120,9 +116,6 @@ def run(args) -> int:
 
         raise StrategyError(f"unknown strategy {', '.join(unknown)}; registered: {', '.join(choices.STRATEGIES)}")
     if args.preset is not None or args.dry_run:
-        from torch_commands.bench.gpu_preset import run_preset
-        from torch_commands.bench.runner import BenchError
-
         if args.preset != "gpu":
             raise BenchError(f"--preset {args.preset!r}: the one preset is gpu" if args.preset else
                              "--dry-run goes with --preset gpu")
@@ -161,13 +154,9 @@ def _have_matplotlib() -> bool:
 
 def run_meshes(args, cfg) -> int:
     """``--mesh``: the layout rows (``layouts``), written as ``--tag``.json and .md."""
-    from jaxdp.runtime.mesh import mesh_sizes
-
     meshes = [mesh_sizes(text) for text in args.meshes]
     prepare_jax(max(math.prod(m.values()) for m in meshes))
     strategies = [s for s in (args.strategies or "ddp").split(",") if s]
-    from torch_commands.bench.runner import environment
-
     rows = run_layouts(cfg, strategies, meshes)
     result = {"config": cfg, "strategies": strategies, "meshes": meshes, "environment": environment(), "rows": rows}
     os.makedirs(args.out, exist_ok=True)

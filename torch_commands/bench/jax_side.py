@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from jaxdp import registry
+from jaxdp.runtime.mesh import make_mesh, simulate_cpu_devices
 from torch_commands.bench import cuda_host, levers
 
 XLA_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -18,8 +19,6 @@ XLA_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 def prepare_jax(max_devices: int) -> None:
     """Simulated CPU devices and single-threaded XLA CPU ops; only effective before jax starts."""
-    from jaxdp.runtime.mesh import simulate_cpu_devices
-
     if "jax" not in sys.modules:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_cpu_multi_thread_eigen" not in flags:
@@ -75,7 +74,6 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
 
     from jaxdp import analysis as ins
     from jaxdp.analysis.plan import with_total
-    from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model
     from jaxdp.optim import make_optimizer
     from jaxdp.strategies import create_strategy

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional
 
+from jaxdp.runtime import compile_options
+
 # name -> {"compile_options": {...}} and/or {"donate": False}
 LEVERS: Dict[str, dict] = {
     "default": {},
@@ -42,8 +44,6 @@ def levers(text: str) -> List[str]:
 
 def compiler_options(lever: Optional[str], platform: str) -> Optional[dict]:
     """The step's compile options under ``lever``: the platform's default with the lever's on top."""
-    from jaxdp.runtime import compile_options
-
     base = compile_options.resolve(None, platform) or {}
     return {**base, **LEVERS[lever or "default"].get("compile_options", {})} or None
 

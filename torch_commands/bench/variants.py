@@ -12,6 +12,8 @@ import itertools
 import math
 from typing import Dict, List, Sequence
 
+from jaxdp.config.choices import REMATS
+
 # "inf": one bucket. Both sides turn the cap into whole bytes, int(inf) has none: 1e9 MiB is
 # more than any model here, so every gradient lands in the first bucket.
 ONE_BUCKET_MB = 1e9
@@ -30,8 +32,6 @@ def bucket_caps(text: str):
 
 def remats(text: str):
     """``--remat unit,none``."""
-    from jaxdp.config.choices import REMATS
-
     values = tuple(x.strip() for x in text.split(","))
     bad = [v for v in values if v not in REMATS]
     if bad:
