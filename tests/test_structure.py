@@ -229,7 +229,7 @@ def test_inspect_bench_and_parity_never_reach_a_trainer():
 # backend, not when it is imported, so what these buy is their start-up and a torch process without jax.
 JAX_FREE = {
     "jaxdp": "`import jaxdp` imports no jax (its names load on first use): a script sets XLA_FLAGS after it",
-    "jaxdp.cli.command": "the parser: `jaxdp train --help` in ~0.3 s, and jax, flax and optax take ~1 s more "
+    "jaxdp.cli.command": "the parser: `jaxdp train --help` takes ~0.15 s, jax, flax and optax ~0.75 s more "
                          "(and `jaxdp plan` sets $JAX_PLATFORMS, which jax reads when it is imported)",
     "parity_tests.command": "a registered command: `jaxdp --help` builds its parser too",
     "torch_commands.bench.command": "a registered command",
