@@ -94,7 +94,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 def _user_errors():
     """Exceptions that mean 'the user asked for something impossible': one line, no traceback."""
     from jaxdp.checkpoint import CheckpointError
-    from jaxdp.data import DatasetError  # not for --help: the data package adds ~40 ms to its start
+    from jaxdp.data import DatasetError  # not for --help: the data package adds ~30 ms to its start
     from jaxdp.models import ModelError
     from jaxdp.optim import ConfigError
     from jaxdp.strategies import StrategyError

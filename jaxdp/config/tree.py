@@ -246,7 +246,7 @@ def per_device_batch(cfg: TrainConfig, devices: int) -> int:
 
 def epoch_length(num_samples: int, devices: int, per_device: int) -> int:
     """Steps per epoch; a training set smaller than one global batch is an error."""
-    from jaxdp.data.loader import steps_per_epoch  # not for --help: the data package adds ~40 ms to its start
+    from jaxdp.data.loader import steps_per_epoch  # not for --help: the data package adds ~30 ms to its start
 
     try:
         return steps_per_epoch(num_samples, devices, per_device)
