@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from typing import Dict, MutableMapping, Optional
+
+from jaxdp.runtime.startup import backend_started
 
 XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
 ENV = {"TF_ENABLE_WINOGRAD_NONFUSED": "0", "NVIDIA_TF32_OVERRIDE": "0"}
@@ -55,21 +56,12 @@ def env_updates(environ: MutableMapping[str, str]) -> Dict[str, str]:
     return {"XLA_FLAGS": " ".join(flags + added), **ENV}
 
 
-def backend_initialised() -> bool:
-    """Whether jax has created a backend in this process (then XLA_FLAGS is read already)."""
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
-
-
 def enable(environ: Optional[MutableMapping[str, str]] = None) -> bool:
     """Put parity mode's variables into the environment; True if that came before jax's backend
     started (so XLA reads them). Call it before anything touches a jax device."""
     global _late
     environ = os.environ if environ is None else environ
-    _late = backend_initialised()
+    _late = backend_started()
     environ.update(env_updates(environ))
     return not _late
 

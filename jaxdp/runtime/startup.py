@@ -10,9 +10,20 @@ at module level. A script that simulates devices calls ``simulate_cpu_devices`` 
 """
 
 import os
+import sys
 from typing import Optional
 
 FORCE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def backend_started() -> bool:
+    """Whether jax has created a backend in this process: after that, ``XLA_FLAGS`` and
+    ``XLA_PYTHON_CLIENT_PREALLOCATE`` are read already (``import jax`` alone reads neither)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # jax is imported already: no cost, and no backend started
+
+    return xla_bridge.backends_are_initialized()
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -83,7 +83,9 @@ def _torch_gpus() -> int:
 def jax_off_preallocation() -> None:
     """JAX takes memory as it needs it, leaving the rest to torch's ranks on the same GPUs; only
     effective before jax starts its backend (a value the user set is kept)."""
-    if "jax" not in sys.modules:
+    from jaxdp.runtime.startup import backend_started
+
+    if not backend_started():
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 

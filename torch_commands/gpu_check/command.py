@@ -8,6 +8,7 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+from jaxdp.runtime.startup import backend_started
 from torch_commands.gpu_check import hardware
 from torch_commands.gpu_check.plan import (BUDGET_S, DEADLINE_FACTOR, REALISTIC_DTYPES, SIMULATED_DTYPES,
                                            TINY_DTYPES, CheckPlan, make_plan, strategies)
@@ -108,7 +109,7 @@ def prepare_gpu(args, chosen: List[str]) -> CheckPlan:
     backend = args.backend or "nccl"
     # before JAX starts: parity mode's XLA flags; JAX takes GPU memory as it needs it, torch's ranks
     # share the GPUs (a dry run too: its plan reads each strategy's facts from jaxdp, which imports jax)
-    if "jax" not in sys.modules:
+    if not backend_started():
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     parity_mode.enable()
     gpus = hardware.torch_gpus()
