@@ -79,3 +79,13 @@ def one_process_rows(x: np.ndarray, accum: int) -> np.ndarray:
     n, b = x.shape[:2]
     m = b // accum
     return np.ascontiguousarray(x.reshape(n, accum, m, *x.shape[2:]).swapaxes(0, 1).reshape(1, n * b, *x.shape[2:]))
+
+
+def cast(tree, dtype):
+    """Floating arrays of ``{name: array}`` (or batches) to ``dtype``; integers stay."""
+    if isinstance(tree, dict):
+        return {k: cast(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cast(v, dtype) for v in tree)
+    a = np.asarray(tree)
+    return a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a

@@ -1,0 +1,163 @@
+"""``run_pair``: a user's own pair of models, compared step by step as the built-in pairs are.
+
+    result = run_pair("examples.parity_own_model:make_pair", PairRun(strategy="zero3", devices=2))
+    result.passed, result.message(), result.comparison.steps[0].entries   # per step, per tensor
+
+One run: the plan (``parity_tests.plan``: the torch twin, its ranks, the backend), the pair set
+up once in this process (``setup``: one init for both, the batches, the refusals), torch's
+ranks (``torch_rank``) and jaxdp's strategy (``jax_pair``) for K steps, then
+``compare.compare_runs``: float64 within 1e-10; float32 and bfloat16 within the pair's own
+measured budget (``budget``: both sides run again in float64, each measured against its own);
+with ``out``, ``report.json`` and ``parity.png`` (``report``).
+When the losses part at step 0, ``localize`` names the first module whose output differs.
+
+Nothing here imports jax or torch at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from parity_tests.own import config as run_config
+from parity_tests.own.config import PairRun
+from parity_tests.own.pair import Factory, factory
+from parity_tests.runner import ParityResult
+
+
+@dataclass
+class PairResult(ParityResult):
+    """``ParityResult`` (per step, per tensor: ``comparison``; the verdict: ``passed``) of a pair,
+    with the measured budget its float32/bf16 bounds came from, and where a forward first differs."""
+
+    budget: Optional[dict] = None
+    finding: Any = None  # localize.Finding, when the losses part at step 0
+
+    def message(self) -> str:
+        text = super().message()
+        return f"{text}; {self.finding.message()}" if self.finding is not None and not self.passed else text
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "pair": self.plan.cfg.pair, "budget": self.budget,
+                "first_difference": dataclasses.asdict(self.finding) if self.finding is not None else None}
+
+
+def planned(run: PairRun):
+    """``parity_tests.plan.plan`` for a pair: the built-in models' keys dropped from torch's config."""
+    from parity_tests.plan import plan
+
+    run_config.check(run)
+    p = plan(run)
+    for key in ("model", "num_classes"):
+        p.torch_config.pop(key, None)
+    return p
+
+
+def float64_reference(fac: Factory, run: PairRun, bug: Optional[str], setup) -> dict:
+    """Both sides of ``run`` once more in float64, from ``setup``'s weights and batches (exact in
+    float64): the reference each side's low-precision run is measured against (``budget``)."""
+    import numpy as np
+
+    from parity_tests.inputs import cast
+    from parity_tests.own.jax_pair import flax_model_at, run_jax_pair
+    from parity_tests.own.torch_rank import run_torch_pair
+
+    p64 = planned(dataclasses.replace(run, dtype="float64"))
+    state_dict, batches = cast(setup.state_dict, np.float64), cast(setup.batches, np.float64)
+    torch_records = run_torch_pair(p64, fac, bug, state_dict, batches, setup.corr.torch_buffers)
+    jax_records = run_jax_pair(p64, setup.pair, flax_model_at(setup.pair.flax_model, "float64"), setup.corr,
+                               setup.corr.to_flax(state_dict, np.float64), batches)
+    return {"jax": jax_records, "torch": torch_records}
+
+
+def run_pair(pair, run: Optional[PairRun] = None, *, bug: Optional[str] = None, out: Optional[str] = None,
+             **options) -> PairResult:
+    """Compare ``pair`` (a factory, ``"module:function"`` or the function) under ``run`` (a
+    ``PairRun``; ``options`` override its fields). ``bug``: a ``parity_tests.own.bugs.BUGS`` name
+    injected into the pair. ``out``: a directory for ``report.json`` and ``parity.png``.
+    ``ParityError`` (one line) for what cannot run, before anything does."""
+    from parity_tests import compare, report
+    from parity_tests.jax_side import configure_precision
+    from parity_tests.own import budget as budgets
+    from parity_tests.own import localize
+    from parity_tests.own.jax_pair import run_jax_pair
+    from parity_tests.own.setup import prepare
+    from parity_tests.own.torch_rank import run_torch_pair
+
+    fac = factory(pair)
+    run = dataclasses.replace(run or PairRun(), pair=fac.label, **options)
+    p = planned(run)
+    configure_precision(p.cuda)
+    t0 = time.perf_counter()
+    s = prepare(fac, run, bug)
+    if bug is not None:
+        from parity_tests.own.bugs import BUGS
+
+        p.notes.append(f"INJECTED BUG in the pair: {BUGS[bug].what}")
+    t1 = time.perf_counter()
+    torch_records = run_torch_pair(p, fac, bug, s.state_dict, s.batches, s.corr.torch_buffers)
+    t2 = time.perf_counter()
+    jax_records = run_jax_pair(p, s.pair, s.flax_model, s.corr, s.variables, s.batches)
+    t3 = time.perf_counter()
+    skip = ("loss_per_rank",) if p.world != run.devices else ()
+    measured = None
+    if run.dtype == "float64":
+        comparison = compare.compare_runs(jax_records, torch_records, budgets.FLOAT64, skip)
+    else:
+        reference = float64_reference(fac, run, bug, s)
+        comparison = compare.compare_runs(reference["jax"], reference["torch"], budgets.FLOAT64, skip)
+        if comparison.passed:  # each side against its own float64 run: the bounds
+            jax_err = budgets.quantity_errors(jax_records, reference["jax"])
+            torch_err = budgets.quantity_errors(torch_records, reference["torch"])
+            measured = budgets.summary(jax_err, torch_err)
+            comparison = compare.compare_runs(jax_records, torch_records, budgets.bounds(run.dtype, jax_err, torch_err),
+                                              skip)
+        else:
+            p.notes.append("the float64 runs of this configuration already differ (the comparison below): a "
+                           "semantic difference, not rounding; no budget is measured")
+    t4 = time.perf_counter()
+    result = PairResult(p, comparison, jax_records, torch_records,
+                        {"inputs": t1 - t0, "torch": t2 - t1, "jax": t3 - t2, "float64 reference": t4 - t3}, bug,
+                        measured)
+    d = comparison.divergence
+    if d is not None and d.step == 0 and d.category in ("loss", "loss_per_rank"):
+        result.finding = localize.first_difference(s, run)
+    if out is not None:
+        report.write(result, out)
+    return result
+
+
+@dataclass
+class PairCheck:
+    """``check_pair``'s results, one per (strategy, devices, dtype), and the verdict over all."""
+
+    results: List[PairResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def table(self) -> List[str]:
+        rows = []
+        for r in self.results:
+            c = r.plan.cfg
+            worst = max((e.rel_err for s in r.comparison.steps for e in s.entries), default=0.0)
+            rows.append(f"{c.strategy:>6} N={c.devices} {c.dtype:<9} {'PASS' if r.passed else 'FAIL'}  "
+                        f"max rel err {worst:.1e}  ({sum(r.seconds.values()):.1f}s)  {r.message()}")
+        return rows
+
+
+def check_pair(pair, strategies: Sequence[str] = ("ddp", "zero3"), devices: Sequence[int] = (2,),
+               dtypes: Sequence[str] = ("float64",), *, out: Optional[str] = None, **options) -> PairCheck:
+    """``run_pair`` over every strategy x device count x dtype (``options``: ``PairRun``'s fields);
+    with ``out``, each run's report in ``out/<strategy>-n<N>-<dtype>/``."""
+    results = []
+    for strategy in strategies:
+        for dtype in dtypes:
+            for n in devices:
+                where = os.path.join(out, f"{strategy}-n{n}-{dtype}") if out else None
+                results.append(run_pair(pair, strategy=strategy, devices=n, dtype=dtype, out=where, **options))
+    return PairCheck(results)
