@@ -66,6 +66,31 @@ def test_the_rules_match_every_tensor_and_the_copy_round_trips_bit_for_bit():
     assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
+def test_one_init_for_both_from_either_side():
+    """torch's init copied to Flax (the default), or Flax's ``init`` copied to torch (``init_from="flax"``):
+    both sides start from the very same bits."""
+    import jax
+
+    from parity_tests.own.setup import prepare
+
+    for name, init_from in (("batchnorm_pair", "torch"), ("flax_init_pair", "flax")):
+        run = PairRun(strategy="ddp", dtype="float32", **SMALL)
+        s = prepare(factory(f"parity_tests.own.toy_pairs:{name}"), run)
+        assert s.pair.init_from == init_from
+        if init_from == "flax":
+            example = {k: v[:4] for k, v in s.batches[0].items()}
+            want = s.flax_model.init(jax.random.key(run.seed), example["x"], train=True)
+            want = {"params": jax.device_get(want["params"]), "batch_stats": jax.device_get(want["batch_stats"])}
+        else:
+            want = s.corr.to_flax({k: v.numpy() for k, v in s.pair.torch_model.state_dict().items()})
+        got = s.corr.to_flax(s.state_dict)
+        from flax import traverse_util
+
+        a, b = traverse_util.flatten_dict(got), traverse_util.flatten_dict(want)
+        assert a.keys() == b.keys() and all(a[k].tobytes() == np.asarray(b[k]).tobytes() for k in a), name
+        assert s.corr.to_torch(s.variables).keys() == s.state_dict.keys() - {"bn.num_batches_tracked"}
+
+
 def test_conv_and_batchnorm_rules_give_the_same_forward():
     """Conv2d OIHW <-> HWIO, BatchNorm's scale/bias and running stats (batch_stats), Linear: one
     forward in float64 on each side from the copied weights agrees to rounding."""

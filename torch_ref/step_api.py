@@ -8,6 +8,11 @@ Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)
     # rank 0: {"loss", "loss_per_rank", "accuracy", "lr", "grads", "params",
     #          "buffers", "optimizer_state"}; other ranks: None
 
+A model of the caller's own: ``build(config, sd, model=module, task=..., units=...)``, the task
+saying what a batch is, what the loss is and which buffers are compared (``ClassifierTask``
+is the built-in models'; ``parity_tests.own.torch_rank.PairTask`` a user's pair's; a task
+with no accuracy leaves it out of the record).
+
 ``config`` keys (``DEFAULTS`` lists them with their defaults; unknown keys are refused): a
 ``jaxdp.config.step.StepConfig`` as a dict (the names ``jaxdp train`` and ``jaxdp parity``
 use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:

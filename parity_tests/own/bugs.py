@@ -149,7 +149,8 @@ BUGS = {b.name: b for b in (
 )}
 
 
-def _bug(name: str) -> PairBug:
+def named(name: str) -> PairBug:
+    """The bug called ``name``; ParityError in one line if there is none."""
     if name not in BUGS:
         raise ParityError(f"unknown bug {name!r} for a pair; choose one of {', '.join(BUGS)}")
     return BUGS[name]
@@ -157,13 +158,13 @@ def _bug(name: str) -> PairBug:
 
 def check(name: Optional[str], pair: ModelPair, run) -> None:
     """ParityError in one line for a bug this pair and run cannot show."""
-    why = None if name is None else _bug(name).requires(pair, run)
+    why = None if name is None else named(name).requires(pair, run)
     if why:
         raise ParityError(f"bug {name} cannot show in this run: {why}")
 
 
 def on_pair(name: Optional[str], pair: ModelPair) -> ModelPair:
-    return pair if name is None else _bug(name).pair(pair)
+    return pair if name is None else named(name).pair(pair)
 
 
 def on_correspondence(name: Optional[str], corr):

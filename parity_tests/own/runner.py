@@ -20,7 +20,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from parity_tests.own import config as run_config
 from parity_tests.own.config import PairRun
@@ -56,6 +56,20 @@ def planned(run: PairRun):
     return p
 
 
+def plan_pair(pair, run: Optional[PairRun] = None, bug: Optional[str] = None, **options):
+    """What ``run_pair`` refuses before it builds a model, each in one line (``ParityError``): a
+    factory the ranks cannot reach, an option that does not apply to a pair, a strategy with no
+    twin, an unknown bug. Returns (the factory, the run, the plan)."""
+    from parity_tests.own import bugs
+
+    fac = factory(pair)
+    run = dataclasses.replace(run or PairRun(), pair=fac.label, **options)
+    p = planned(run)
+    if bug is not None:
+        bugs.named(bug)
+    return fac, run, p
+
+
 def float64_reference(fac: Factory, run: PairRun, bug: Optional[str], setup) -> dict:
     """Both sides of ``run`` once more in float64, from ``setup``'s weights and batches (exact in
     float64): the reference each side's low-precision run is measured against (``budget``)."""
@@ -79,55 +93,58 @@ def run_pair(pair, run: Optional[PairRun] = None, *, bug: Optional[str] = None, 
     ``PairRun``; ``options`` override its fields). ``bug``: a ``parity_tests.own.bugs.BUGS`` name
     injected into the pair. ``out``: a directory for ``report.json`` and ``parity.png``.
     ``ParityError`` (one line) for what cannot run, before anything does."""
-    from parity_tests import compare, report
+    from parity_tests import report
     from parity_tests.jax_side import configure_precision
     from parity_tests.own import budget as budgets
-    from parity_tests.own import localize
+    from parity_tests.own import bugs, localize
     from parity_tests.own.jax_pair import run_jax_pair
     from parity_tests.own.setup import prepare
     from parity_tests.own.torch_rank import run_torch_pair
 
-    fac = factory(pair)
-    run = dataclasses.replace(run or PairRun(), pair=fac.label, **options)
-    p = planned(run)
+    fac, run, p = plan_pair(pair, run, bug, **options)
     configure_precision(p.cuda)
     t0 = time.perf_counter()
     s = prepare(fac, run, bug)
     if bug is not None:
-        from parity_tests.own.bugs import BUGS
-
-        p.notes.append(f"INJECTED BUG in the pair: {BUGS[bug].what}")
+        p.notes.append(f"INJECTED BUG in the pair: {bugs.named(bug).what}")
     t1 = time.perf_counter()
     torch_records = run_torch_pair(p, fac, bug, s.state_dict, s.batches, s.corr.torch_buffers)
     t2 = time.perf_counter()
     jax_records = run_jax_pair(p, s.pair, s.flax_model, s.corr, s.variables, s.batches)
     t3 = time.perf_counter()
     skip = ("loss_per_rank",) if p.world != run.devices else ()
-    measured = None
-    if run.dtype == "float64":
-        comparison = compare.compare_runs(jax_records, torch_records, budgets.FLOAT64, skip)
-    else:
-        reference = float64_reference(fac, run, bug, s)
-        comparison = compare.compare_runs(reference["jax"], reference["torch"], budgets.FLOAT64, skip)
-        if comparison.passed:  # each side against its own float64 run: the bounds
-            jax_err = budgets.quantity_errors(jax_records, reference["jax"])
-            torch_err = budgets.quantity_errors(torch_records, reference["torch"])
-            measured = budgets.summary(jax_err, torch_err)
-            comparison = compare.compare_runs(jax_records, torch_records, budgets.bounds(run.dtype, jax_err, torch_err),
-                                              skip)
-        else:
-            p.notes.append("the float64 runs of this configuration already differ (the comparison below): a "
-                           "semantic difference, not rounding; no budget is measured")
+    comparison, measured, records = _compared(fac, run, bug, s, p, {"jax": jax_records, "torch": torch_records}, skip)
     t4 = time.perf_counter()
-    result = PairResult(p, comparison, jax_records, torch_records,
+    result = PairResult(p, comparison, records["jax"], records["torch"],
                         {"inputs": t1 - t0, "torch": t2 - t1, "jax": t3 - t2, "float64 reference": t4 - t3}, bug,
                         measured)
     d = comparison.divergence
-    if d is not None and d.step == 0 and d.category in ("loss", "loss_per_rank"):
-        result.finding = localize.first_difference(s, run)
+    if d is not None and d.step == 0 and d.category in ("loss", "loss_per_rank") and comparison.bounds is budgets.FLOAT64:
+        result.finding = localize.first_difference(s, run)  # a float64 difference: where the forwards part
     if out is not None:
         report.write(result, out)
     return result
+
+
+def _compared(fac: Factory, run: PairRun, bug: Optional[str], setup, p, records: dict, skip):
+    """(comparison, measured budget, the records it compares): float64 within 1e-10; float32 and
+    bfloat16 within the run's own budget, once its float64 runs agree (else those runs' comparison)."""
+    from parity_tests import compare
+    from parity_tests.own import budget as budgets
+
+    if run.dtype == "float64":
+        return compare.compare_runs(records["jax"], records["torch"], budgets.FLOAT64, skip), None, records
+    reference = float64_reference(fac, run, bug, setup)
+    check = compare.compare_runs(reference["jax"], reference["torch"], budgets.FLOAT64, skip)
+    if not check.passed:
+        p.notes.append("the float64 runs of this configuration already differ (the comparison below): a semantic "
+                       "difference, not rounding; no budget is measured")
+        return check, None, reference
+    jax_err = budgets.quantity_errors(records["jax"], reference["jax"])
+    torch_err = budgets.quantity_errors(records["torch"], reference["torch"])
+    bounds = budgets.bounds(run.dtype, jax_err, torch_err)
+    return compare.compare_runs(records["jax"], records["torch"], bounds, skip), budgets.summary(jax_err, torch_err), \
+        records
 
 
 @dataclass
@@ -140,24 +157,18 @@ class PairCheck:
     def passed(self) -> bool:
         return all(r.passed for r in self.results)
 
-    def table(self) -> List[str]:
-        rows = []
-        for r in self.results:
-            c = r.plan.cfg
-            worst = max((e.rel_err for s in r.comparison.steps for e in s.entries), default=0.0)
-            rows.append(f"{c.strategy:>6} N={c.devices} {c.dtype:<9} {'PASS' if r.passed else 'FAIL'}  "
-                        f"max rel err {worst:.1e}  ({sum(r.seconds.values()):.1f}s)  {r.message()}")
-        return rows
-
 
 def check_pair(pair, strategies: Sequence[str] = ("ddp", "zero3"), devices: Sequence[int] = (2,),
-               dtypes: Sequence[str] = ("float64",), *, out: Optional[str] = None, **options) -> PairCheck:
-    """``run_pair`` over every strategy x device count x dtype (``options``: ``PairRun``'s fields);
-    with ``out``, each run's report in ``out/<strategy>-n<N>-<dtype>/``."""
+               dtypes: Sequence[str] = ("float64",), *, out: Optional[str] = None,
+               log: Optional[Callable[[PairResult], None]] = None, **options) -> PairCheck:
+    """``run_pair`` over every strategy x dtype x device count (``options``: ``PairRun``'s fields);
+    with ``out``, each run's report in ``out/<strategy>-n<N>-<dtype>/``; ``log`` sees each result."""
     results = []
     for strategy in strategies:
         for dtype in dtypes:
             for n in devices:
                 where = os.path.join(out, f"{strategy}-n{n}-{dtype}") if out else None
                 results.append(run_pair(pair, strategy=strategy, devices=n, dtype=dtype, out=where, **options))
+                if log is not None:
+                    log(results[-1])
     return PairCheck(results)

@@ -45,13 +45,13 @@ def sample(pair: ModelPair, run: PairRun, rows: int) -> List[Dict[str, np.ndarra
     return [host_batch(pair.sample_batch(rng, rows), run.dtype) for _ in range(run.steps)]
 
 
-def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None, rows: Optional[int] = None) -> Setup:
-    """Everything both sides share. ``rows``: per step (default ``devices * batch_per_device``)."""
+def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None) -> Setup:
+    """Everything both sides share, or ``PairError`` (one line) for what cannot run."""
     import jax
 
     pair = build_pair(fac, bug, run.seed, run)
     model = flax_model_at(pair.flax_model, run.dtype)
-    batches = sample(pair, run, rows or run.devices * run.batch_per_device)
+    batches = sample(pair, run, run.devices * run.batch_per_device)
     example = {k: v[: run.batch_per_device] for k, v in batches[0].items()}
     with jax.enable_x64(run.dtype == "float64"):
         shapes = _flax_shapes(pair, model, example)
