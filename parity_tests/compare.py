@@ -74,11 +74,6 @@ class Bounds:
         table = self.first if step == 0 else self.later
         return float(table.get(category, math.inf))
 
-    def key_bound(self, key: str, step: int) -> float:
-        """The bound of one compared quantity (``category/name[/key]``): its category's here; a
-        subclass may bound each quantity by its own measure (``parity_tests.own.budget``)."""
-        return self.bound(key.split("/", 1)[0], step)
-
     def to_json(self) -> dict:
         out = {"name": self.name, "step0": dict(self.first), "later": dict(self.later),
                "loss_curve": self.loss_curve, "curve_window": self.curve_window, "why": self.why,
@@ -452,7 +447,7 @@ def compare_step(step: int, jax_rec: Mapping, torch_rec: Mapping, bounds: Bounds
         cat = key.split("/", 1)[0]
         if cat in skip:
             continue
-        bound = bounds.key_bound(key, step)
+        bound = bounds.bound(cat, step)
         if key not in a:
             entries.append(Entry(key, math.inf, math.inf, bound, "missing on the jaxdp side"))
         elif key not in b:

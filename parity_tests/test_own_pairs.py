@@ -278,11 +278,30 @@ def _check(result, dtype):
         assert result.comparison.bounds.name == "float64"
         # measured: <= 1.4e-15, but the BN MLP's fc1.bias (rounding noise against its floor): 1.1e-12
         assert max(s.max_rel() for s in result.comparison.steps) < 1e-11
-    else:  # each quantity's bound is MARGIN x both sides' errors against their own float64 runs
-        assert result.comparison.bounds.name == f"{dtype}, the pair's measured budget"
-        assert result.budget["jax"][0]["grads"] > 1e-4 and result.budget["torch"][0]["grads"] > 1e-4
-        entries = [e for s in result.comparison.steps for e in s.entries]
-        assert all(1e-10 <= e.bound < 50 for e in entries)
+    else:  # MARGIN x both sides' errors against their own float64 runs, measured at N = 1
+        bounds, budget = result.comparison.bounds, result.budget
+        assert bounds.name == f"{dtype}, the pair's measured budget" and budget["devices"] == 1
+        assert budget["float64_max_rel"] < 1e-11  # the budget's own float64 runs agree
+        assert budget["jax"][0]["grads"] > 1e-4 and budget["torch"][0]["grads"] > 1e-4  # bf16 rounding, measured
+        for s in result.comparison.steps:
+            assert bounds.bound("grads", s.step) == pytest.approx(
+                4 * (budget["jax"][s.step]["grads"] + budget["torch"][s.step]["grads"]))
+
+
+def test_the_budget_bounds_each_step_and_the_loss_by_its_largest_step():
+    from parity_tests.own.budget import bounds
+
+    budget = {"dtype": "float32", "strategy": "ddp", "rows": 4,
+              "jax": [{"loss": 1e-7, "grads": 1e-6}, {"loss": 3e-7, "grads": 2e-6}],
+              "torch": [{"loss": 2e-7, "grads": 1e-6}, {"loss": 0.0, "grads": 0.0}]}
+    b = bounds(budget)
+    assert [b.bound("grads", s) for s in (0, 1)] == pytest.approx([8e-6, 8e-6])
+    # the loss is one number per step: every step gets the largest step's (3e-7, step 0's 1e-7 + 2e-7)
+    assert [b.bound("loss", s) for s in (0, 1)] == pytest.approx([1.2e-6, 1.2e-6])
+    assert b.bound("loss_per_rank", 1) == b.bound("loss", 1)
+    budget["jax"][1]["grads"] = 0.0
+    assert bounds(budget).bound("grads", 1) == 1e-10  # never below float64's
+    assert b.bound("buffers", 0) == float("inf") and b.bound("grads", 2) == float("inf")
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ One run: the plan (``parity_tests.plan``: the torch twin, its ranks, the backend
 up once in this process (``setup``: one init for both, the batches, the refusals), torch's
 ranks (``torch_rank``) and jaxdp's strategy (``jax_pair``) for K steps, then
 ``compare.compare_runs``: float64 within 1e-10; float32 and bfloat16 within the pair's own
-measured budget (``budget``: both sides run again in float64, each measured against its own);
-with ``out``, ``report.json`` and ``parity.png`` (``report``).
+measured budget (``budget``: each side at N = 1 in float64 and in the low dtype); with ``out``,
+``report.json`` and ``parity.png`` (``report``).
 When the losses part at step 0, ``localize`` names the first module whose output differs.
 
 Nothing here imports jax or torch at module level.
@@ -70,21 +70,32 @@ def plan_pair(pair, run: Optional[PairRun] = None, bug: Optional[str] = None, **
     return fac, run, p
 
 
+def sides(p, fac: Factory, bug: Optional[str], setup, variables=None) -> dict:
+    """K steps of the plan on each side from ``setup``: ``{"torch": records, "jax": records, "seconds"}``."""
+    from parity_tests.own.jax_pair import run_jax_pair
+    from parity_tests.own.torch_rank import run_torch_pair
+
+    t0 = time.perf_counter()
+    torch_records = run_torch_pair(p, fac, bug, setup.state_dict, setup.batches, setup.corr.torch_buffers)
+    t1 = time.perf_counter()
+    jax_records = run_jax_pair(p, setup.pair, setup.flax_model, setup.corr,
+                               setup.variables if variables is None else variables, setup.batches)
+    return {"torch": torch_records, "jax": jax_records, "seconds": {"torch": t1 - t0, "jax": time.perf_counter() - t1}}
+
+
 def float64_reference(fac: Factory, run: PairRun, bug: Optional[str], setup) -> dict:
     """Both sides of ``run`` once more in float64, from ``setup``'s weights and batches (exact in
     float64): the reference each side's low-precision run is measured against (``budget``)."""
     import numpy as np
 
     from parity_tests.inputs import cast
-    from parity_tests.own.jax_pair import flax_model_at, run_jax_pair
-    from parity_tests.own.torch_rank import run_torch_pair
+    from parity_tests.own.jax_pair import flax_model_at
 
-    p64 = planned(dataclasses.replace(run, dtype="float64"))
-    state_dict, batches = cast(setup.state_dict, np.float64), cast(setup.batches, np.float64)
-    torch_records = run_torch_pair(p64, fac, bug, state_dict, batches, setup.corr.torch_buffers)
-    jax_records = run_jax_pair(p64, setup.pair, flax_model_at(setup.pair.flax_model, "float64"), setup.corr,
-                               setup.corr.to_flax(state_dict, np.float64), batches)
-    return {"jax": jax_records, "torch": torch_records}
+    state_dict = cast(setup.state_dict, np.float64)
+    wide = dataclasses.replace(setup, state_dict=state_dict, batches=cast(setup.batches, np.float64),
+                               flax_model=flax_model_at(setup.pair.flax_model, "float64"))
+    return sides(planned(dataclasses.replace(run, dtype="float64")), fac, bug, wide,
+                 setup.corr.to_flax(state_dict, np.float64))
 
 
 def run_pair(pair, run: Optional[PairRun] = None, *, bug: Optional[str] = None, out: Optional[str] = None,
@@ -93,13 +104,11 @@ def run_pair(pair, run: Optional[PairRun] = None, *, bug: Optional[str] = None, 
     ``PairRun``; ``options`` override its fields). ``bug``: a ``parity_tests.own.bugs.BUGS`` name
     injected into the pair. ``out``: a directory for ``report.json`` and ``parity.png``.
     ``ParityError`` (one line) for what cannot run, before anything does."""
-    from parity_tests import report
+    from parity_tests import compare, report
     from parity_tests.jax_side import configure_precision
     from parity_tests.own import budget as budgets
     from parity_tests.own import bugs, localize
-    from parity_tests.own.jax_pair import run_jax_pair
     from parity_tests.own.setup import prepare
-    from parity_tests.own.torch_rank import run_torch_pair
 
     fac, run, p = plan_pair(pair, run, bug, **options)
     configure_precision(p.cuda)
@@ -107,44 +116,27 @@ def run_pair(pair, run: Optional[PairRun] = None, *, bug: Optional[str] = None, 
     s = prepare(fac, run, bug)
     if bug is not None:
         p.notes.append(f"INJECTED BUG in the pair: {bugs.named(bug).what}")
+    t_inputs = time.perf_counter()
+    measured = None if run.dtype == "float64" else budgets.measure(fac, run)
     t1 = time.perf_counter()
-    torch_records = run_torch_pair(p, fac, bug, s.state_dict, s.batches, s.corr.torch_buffers)
-    t2 = time.perf_counter()
-    jax_records = run_jax_pair(p, s.pair, s.flax_model, s.corr, s.variables, s.batches)
-    t3 = time.perf_counter()
+    records = sides(p, fac, bug, s)
     skip = ("loss_per_rank",) if p.world != run.devices else ()
-    comparison, measured, records = _compared(fac, run, bug, s, p, {"jax": jax_records, "torch": torch_records}, skip)
-    t4 = time.perf_counter()
+    if measured is not None and not measured["float64"].passed:  # no budget: the math differs
+        comparison = measured["float64"]
+        p.notes.append(f"the float64 runs of the budget ({run.strategy} at N = 1) already differ (the comparison "
+                       "below): a semantic difference, not rounding")
+    else:
+        comparison = compare.compare_runs(records["jax"], records["torch"],
+                                          budgets.FLOAT64 if measured is None else budgets.bounds(measured), skip)
     result = PairResult(p, comparison, records["jax"], records["torch"],
-                        {"inputs": t1 - t0, "torch": t2 - t1, "jax": t3 - t2, "float64 reference": t4 - t3}, bug,
-                        measured)
+                        {"inputs": t_inputs - t0, "budget": t1 - t_inputs, **records["seconds"]}, bug,
+                        None if measured is None else budgets.summary(measured))
     d = comparison.divergence
     if d is not None and d.step == 0 and d.category in ("loss", "loss_per_rank") and comparison.bounds is budgets.FLOAT64:
         result.finding = localize.first_difference(s, run)  # a float64 difference: where the forwards part
     if out is not None:
         report.write(result, out)
     return result
-
-
-def _compared(fac: Factory, run: PairRun, bug: Optional[str], setup, p, records: dict, skip):
-    """(comparison, measured budget, the records it compares): float64 within 1e-10; float32 and
-    bfloat16 within the run's own budget, once its float64 runs agree (else those runs' comparison)."""
-    from parity_tests import compare
-    from parity_tests.own import budget as budgets
-
-    if run.dtype == "float64":
-        return compare.compare_runs(records["jax"], records["torch"], budgets.FLOAT64, skip), None, records
-    reference = float64_reference(fac, run, bug, setup)
-    check = compare.compare_runs(reference["jax"], reference["torch"], budgets.FLOAT64, skip)
-    if not check.passed:
-        p.notes.append("the float64 runs of this configuration already differ (the comparison below): a semantic "
-                       "difference, not rounding; no budget is measured")
-        return check, None, reference
-    jax_err = budgets.quantity_errors(records["jax"], reference["jax"])
-    torch_err = budgets.quantity_errors(records["torch"], reference["torch"])
-    bounds = budgets.bounds(run.dtype, jax_err, torch_err)
-    return compare.compare_runs(records["jax"], records["torch"], bounds, skip), budgets.summary(jax_err, torch_err), \
-        records
 
 
 @dataclass
