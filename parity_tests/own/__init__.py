@@ -7,8 +7,8 @@ step, under every strategy with a torch twin (docs/parity.md, "Your own models")
 - ``pair``: ``ModelPair`` (what the user gives) and the factory every torch rank builds it from;
 - ``correspondence``: which torch tensor is which Flax variable (HF's rules, overridable);
 - ``config``: ``PairRun``, a run described with ``jaxdp parity``'s options;
-- ``setup``, ``jax_pair``, ``torch_rank``: one init for both, the batches, the refusals; K steps on
-  each side (jaxdp's strategy; torch_ref's ``Runner`` on the launcher's ranks);
+- ``setup``, ``jax_pair``, ``torch_rank``, ``sides``: one init for both, the batches, the refusals;
+  K steps on each side (jaxdp's strategy; torch_ref's ``Runner`` on the launcher's ranks);
 - ``budget``: float32/bf16 bounds from the pair's own measured error budget;
 - ``runner``: ``run_pair`` and ``check_pair``; ``localize``: the first module whose output differs;
 - ``bugs``: porting mistakes injected into a pair, which the harness must catch and name;

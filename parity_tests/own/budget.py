@@ -91,7 +91,7 @@ def measure(fac, run) -> dict:
     float64 comparison, ...}``."""
     import time
 
-    from parity_tests.own.runner import float64_reference, planned, sides
+    from parity_tests.own.sides import float64_reference, planned, sides
     from parity_tests.own.setup import prepare
 
     key = budget_key(fac, run)

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from parity_tests.own import config as run_config
 from parity_tests.own.config import PairRun
-from parity_tests.own.pair import Factory, factory
+from parity_tests.own.pair import factory
+from parity_tests.own.sides import planned, sides
 from parity_tests.runner import ParityResult
 
 
@@ -45,17 +45,6 @@ class PairResult(ParityResult):
                 "first_difference": dataclasses.asdict(self.finding) if self.finding is not None else None}
 
 
-def planned(run: PairRun):
-    """``parity_tests.plan.plan`` for a pair: the built-in models' keys dropped from torch's config."""
-    from parity_tests.plan import plan
-
-    run_config.check(run)
-    p = plan(run)
-    for key in ("model", "num_classes"):
-        p.torch_config.pop(key, None)
-    return p
-
-
 def plan_pair(pair, run: Optional[PairRun] = None, bug: Optional[str] = None, **options):
     """What ``run_pair`` refuses before it builds a model, each in one line (``ParityError``): a
     factory the ranks cannot reach, an option that does not apply to a pair, a strategy with no
@@ -68,34 +57,6 @@ def plan_pair(pair, run: Optional[PairRun] = None, bug: Optional[str] = None, **
     if bug is not None:
         bugs.named(bug)
     return fac, run, p
-
-
-def sides(p, fac: Factory, bug: Optional[str], setup, variables=None) -> dict:
-    """K steps of the plan on each side from ``setup``: ``{"torch": records, "jax": records, "seconds"}``."""
-    from parity_tests.own.jax_pair import run_jax_pair
-    from parity_tests.own.torch_rank import run_torch_pair
-
-    t0 = time.perf_counter()
-    torch_records = run_torch_pair(p, fac, bug, setup.state_dict, setup.batches, setup.corr.torch_buffers)
-    t1 = time.perf_counter()
-    jax_records = run_jax_pair(p, setup.pair, setup.flax_model, setup.corr,
-                               setup.variables if variables is None else variables, setup.batches)
-    return {"torch": torch_records, "jax": jax_records, "seconds": {"torch": t1 - t0, "jax": time.perf_counter() - t1}}
-
-
-def float64_reference(fac: Factory, run: PairRun, bug: Optional[str], setup) -> dict:
-    """Both sides of ``run`` once more in float64, from ``setup``'s weights and batches (exact in
-    float64): the reference each side's low-precision run is measured against (``budget``)."""
-    import numpy as np
-
-    from parity_tests.inputs import cast
-    from parity_tests.own.jax_pair import flax_model_at
-
-    state_dict = cast(setup.state_dict, np.float64)
-    wide = dataclasses.replace(setup, state_dict=state_dict, batches=cast(setup.batches, np.float64),
-                               flax_model=flax_model_at(setup.pair.flax_model, "float64"))
-    return sides(planned(dataclasses.replace(run, dtype="float64")), fac, bug, wide,
-                 setup.corr.to_flax(state_dict, np.float64))
 
 
 def run_pair(pair, run: Optional[PairRun] = None, *, bug: Optional[str] = None, out: Optional[str] = None,
