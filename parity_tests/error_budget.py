@@ -34,6 +34,8 @@ from parity_tests.budgets import CATEGORIES, MARGIN, bounds_from_budget
 from parity_tests.inputs import cast
 
 LOW_DTYPES = ("float32", "bfloat16")
+
+
 def side_errors(records: Sequence[Mapping], reference: Sequence[Mapping]) -> List[Dict[str, float]]:
     """Per step, per category: the largest relative error of ``records`` against ``reference``."""
     from parity_tests.compare import errors, flatten
