@@ -2,7 +2,7 @@
 language model, written once in PyTorch and once in Flax, checked step by step under ddp and
 zero3 on 2 (simulated) devices, in float64 and in bfloat16.
 
-    python examples/parity_own_model.py       # ~1 min on 2 CPU cores (4 runs, 3 steps each)
+    python examples/parity_own_model.py       # ~30 s on 2 CPU cores (4 runs of 3 steps, and the bf16 budgets)
     jaxdp parity --pair examples.parity_own_model:make_pair --strategy zero3 --devices 2 --dtype float64
 
 Copy it and replace the two models, the loss and the data with yours: ``make_pair`` is all the
