@@ -32,6 +32,12 @@ def add_parity_args(p: argparse.ArgumentParser) -> None:
                           "(parity_tests.layouts)")
     g.add_argument("--microbatches", type=int, default=None,
                    help="pipeline micro-batches per device with a stage axis in --mesh (default: the stage count)")
+    g.add_argument("--pair", default=None, metavar="MODULE:FUNCTION",
+                   help="your own pair of models instead of the built-in ResNet/ViT: a function returning a "
+                        "parity_tests.own.ModelPair, e.g. examples.parity_own_model:make_pair (docs/parity.md, "
+                        "'Your own models'); the model and data options do not apply, and --inject-bug takes the "
+                        "pair's bugs: layernorm_eps | missing_bias | transposed_weight | loss_wrong_axis | "
+                        "skipped_grad_sync")
     add_strategy_flags(g, d, sync_bn_help="global BN statistics (torch: see the pair table)",
                        staleness_help="async: only 0 has a torch twin")
     deprecated_alias(g, "--accum", "--accum-steps", dest="accum_steps", type=int)
@@ -99,11 +105,16 @@ def cmd_parity(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         simulate_cpu_devices(cfg.devices)  # before jax starts; a no-op once XLA_FLAGS fixes the count
         parity_mode.enable()  # comparable cuDNN engines on GPUs; also before jax starts
-        sizes = parse_mesh(cfg.mesh) if cfg.mesh else {"data": cfg.devices}
-        layout = layouts.layout_of(sizes, cfg.microbatches)
-        if layout in layouts.RUNNERS:
-            return layouts.RUNNERS[layout](cfg, sizes, args.out, args.inject_bug)
-        result = runner.run_parity(cfg, bug=args.inject_bug)
+        if args.pair:  # a user's own pair (parity_tests.own): its models, data and bugs
+            from parity_tests.own import PairRun, run_pair
+
+            result = run_pair(args.pair, PairRun(**cfg.to_json()), bug=args.inject_bug)
+        else:
+            sizes = parse_mesh(cfg.mesh) if cfg.mesh else {"data": cfg.devices}
+            layout = layouts.layout_of(sizes, cfg.microbatches)
+            if layout in layouts.RUNNERS:
+                return layouts.RUNNERS[layout](cfg, sizes, args.out, args.inject_bug)
+            result = runner.run_parity(cfg, bug=args.inject_bug)
     except (ParityError, MeshError, StrategyError) as e:
         print(f"jaxdp parity: error: {e}", file=sys.stderr)
         return 2

@@ -66,15 +66,21 @@ class Bounds:
     curve_window: int = 5
     why: str = ""
     wire: Optional[str] = None  # "bf16" | "fp16": every averaged gradient must be such a value
+    # > 0: a tensor's error is measured against its own largest entry or this fraction of its
+    # group's largest (``scale_floors``), whichever is larger (a user's pair: ``parity_tests.own``)
+    scale_floor: float = 0.0
 
     def bound(self, category: str, step: int) -> float:
         table = self.first if step == 0 else self.later
         return float(table.get(category, math.inf))
 
     def to_json(self) -> dict:
-        return {"name": self.name, "step0": dict(self.first), "later": dict(self.later),
-                "loss_curve": self.loss_curve, "curve_window": self.curve_window, "why": self.why,
-                "wire": self.wire}
+        out = {"name": self.name, "step0": dict(self.first), "later": dict(self.later),
+               "loss_curve": self.loss_curve, "curve_window": self.curve_window, "why": self.why,
+               "wire": self.wire}
+        if self.scale_floor:
+            out["scale_floor"] = self.scale_floor
+        return out
 
 
 def _every(value: float) -> Dict[str, float]:
@@ -253,8 +259,9 @@ def flatten(record: Mapping) -> Dict[str, np.ndarray]:
     return out
 
 
-def errors(a: np.ndarray, b: np.ndarray):
-    """(max abs error, relative error ``max|a-b| / max|b|``) of ``a`` against reference ``b``."""
+def errors(a: np.ndarray, b: np.ndarray, floor: float = 0.0):
+    """(max abs error, relative error ``max|a-b| / max|b|``) of ``a`` against reference ``b``;
+    the scale ``max|b|`` is raised to ``floor`` where it is smaller (``scale_floors``)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape:
         return math.inf, math.inf
@@ -264,7 +271,7 @@ def errors(a: np.ndarray, b: np.ndarray):
     abs_err = float(diff.max())
     if not np.isfinite(abs_err):
         return math.inf, math.inf
-    scale = float(np.abs(b).max())
+    scale = max(float(np.abs(b).max()), floor)
     if scale == 0.0:
         return abs_err, (0.0 if abs_err == 0.0 else math.inf)
     return abs_err, abs_err / scale
@@ -405,12 +412,36 @@ class Comparison:
                 "steps": [s.to_json() for s in self.steps]}
 
 
+def scale_floors(flat: Mapping[str, np.ndarray], fraction: float) -> Dict[str, float]:
+    """Per quantity: ``fraction`` of the largest entry in its group (its category; the optimizer
+    and comm state by kind too, ``exp_avg_sq`` apart from ``exp_avg``), 0 for ``fraction`` 0.
+
+    Why: a tensor that is zero in exact arithmetic (the gradient of a bias followed by a
+    BatchNorm, which removes any shift) holds only rounding noise on each side, and noise
+    against noise is O(1) relative to itself. Measured against a fraction of its group's
+    scale, float64 noise (~1e-16 of that scale) is again far below 1e-10, while a real
+    difference there (a gradient where the other side has none) is not."""
+    if not fraction:
+        return {key: 0.0 for key in flat}
+
+    def group(key: str) -> str:
+        parts = key.split("/")
+        return parts[0] + ("/" + parts[-1] if parts[0] in ("optimizer_state", "comm_state") else "")
+
+    largest: Dict[str, float] = {}
+    for key, x in flat.items():
+        if np.size(x):
+            largest[group(key)] = max(largest.get(group(key), 0.0), float(np.nanmax(np.abs(x))))
+    return {key: fraction * largest.get(group(key), 0.0) for key in flat}
+
+
 def compare_step(step: int, jax_rec: Mapping, torch_rec: Mapping, bounds: Bounds,
                  skip: Sequence[str] = ()) -> StepComparison:
     """Every quantity torch reported, against jaxdp's. ``skip``: categories not comparable
     for this pair (e.g. ``loss_per_rank`` when torch ran one process on the full batch).
     A quantity on one side only is an error (rel = inf) with a note saying which side."""
     a, b = flatten(jax_rec), flatten(torch_rec)
+    floors = scale_floors(b, bounds.scale_floor)
     entries = []
     for key in list(b) + [k for k in a if k not in b]:
         cat = key.split("/", 1)[0]
@@ -422,7 +453,7 @@ def compare_step(step: int, jax_rec: Mapping, torch_rec: Mapping, bounds: Bounds
         elif key not in b:
             entries.append(Entry(key, math.inf, math.inf, bound, "missing on the torch side"))
         else:
-            abs_err, rel = errors(a[key], b[key])
+            abs_err, rel = errors(a[key], b[key], floors[key])
             note = "" if a[key].shape == b[key].shape else f"shape {a[key].shape} vs {b[key].shape}"
             entries.append(Entry(key, abs_err, rel, bound, note))
     if bounds.wire:

@@ -58,6 +58,12 @@ class ParityConfig(OptimizerOptions, ModelOptions, StrategyOptions):
             values["blocks"] = tuple(values["blocks"])
         return {k: v for k, v in values.items() if v is not None}
 
+    def run_summary(self) -> str:
+        """The report's line on the model, data and optimizer (``report.header``)."""
+        return (f"{self.model_summary()} {self.dtype}, {self.image_size}x{self.image_size}, "
+                f"{self.batch_per_device}/device, accum {self.accum_steps}, sync_bn {self.sync_bn}, "
+                f"{self.optimizer} lr {self.lr} ({self.schedule}), {self.steps} steps")
+
     def model_summary(self) -> str:
         """'resnet18 width 4 blocks (1, 1, 1, 1)' or 'vit-tiny depth 2 dim 16 ...' for reports."""
         opts = {k: v for k, v in self.model_options().items() if k not in ("stem", "image_size")}

@@ -31,16 +31,9 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from parity_tests.budgets import CATEGORIES, MARGIN, bounds_from_budget
+from parity_tests.inputs import cast
 
 LOW_DTYPES = ("float32", "bfloat16")
-def cast(tree, dtype):
-    """Floating arrays of ``{name: array}`` (or batches) to ``dtype``; integers stay."""
-    if isinstance(tree, dict):
-        return {k: cast(v, dtype) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(cast(v, dtype) for v in tree)
-    a = np.asarray(tree)
-    return a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a
 
 
 def side_errors(records: Sequence[Mapping], reference: Sequence[Mapping]) -> List[Dict[str, float]]:

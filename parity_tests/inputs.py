@@ -70,8 +70,22 @@ def full_batch_order(images: np.ndarray, labels: np.ndarray, accum: int):
     """(N, b, ...) per-device batches -> (1, N*b, ...) for one torch process, ordered so that
     its k-th micro-batch (``chunk(accum)``) is the union of every device's k-th micro-batch:
     what a SyncBN step with accumulation normalises over."""
-    n, b = labels.shape
+    return one_process_rows(images, accum), one_process_rows(labels, accum)
+
+
+def one_process_rows(x: np.ndarray, accum: int) -> np.ndarray:
+    """One array of ``full_batch_order``: (N, b, ...) -> (1, N*b, ...), micro-batch k of the one
+    process being every device's micro-batch k."""
+    n, b = x.shape[:2]
     m = b // accum
-    img = images.reshape(n, accum, m, *images.shape[2:]).swapaxes(0, 1).reshape(1, n * b, *images.shape[2:])
-    lab = labels.reshape(n, accum, m).swapaxes(0, 1).reshape(1, n * b)
-    return np.ascontiguousarray(img), np.ascontiguousarray(lab)
+    return np.ascontiguousarray(x.reshape(n, accum, m, *x.shape[2:]).swapaxes(0, 1).reshape(1, n * b, *x.shape[2:]))
+
+
+def cast(tree, dtype):
+    """Floating arrays of ``{name: array}`` (or batches) to ``dtype``; integers stay."""
+    if isinstance(tree, dict):
+        return {k: cast(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cast(v, dtype) for v in tree)
+    a = np.asarray(tree)
+    return a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a

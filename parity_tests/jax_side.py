@@ -7,7 +7,7 @@ Nothing here imports jax at module level.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,21 +34,28 @@ def jax_strategy(p: Plan, variables=None):
     torch_ref's FSDP2 twin ``fully_shard``s every block and then the root."""
     from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model, fsdp_units
-    from jaxdp.optim import make_optimizer, make_schedule
     from jaxdp.strategies import create_strategy, options_of
     from jaxdp.loss.task import classifier
 
     cfg = p.cfg
     model = create_model(cfg.model, num_classes=cfg.num_classes, dtype=cfg.dtype, **cfg.model_options())
-    lr = (cfg.lr if cfg.schedule == "constant" and cfg.warmup_steps == 0 else
-          make_schedule(cfg.schedule, cfg.lr, p.torch_config["total_steps"], warmup_steps=cfg.warmup_steps))
-    tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                        weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps,
-                        clip_grad_norm=cfg.clip_grad_norm)
     units = {"units": fsdp_units(model)} if "units" in options_of(cfg.strategy) else {}
-    return create_strategy(cfg.strategy, model, classifier(model), tx, make_mesh(cfg.devices),
+    return create_strategy(cfg.strategy, model, classifier(model), optimizer(p), make_mesh(cfg.devices),
                            accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, return_grads=True, **units,
                            **p.jax_options)
+
+
+def optimizer(p: Plan):
+    """The run's optax chain (``jaxdp.optim``), its schedule over the torch side's ``total_steps``:
+    torch_ref builds the same optimizer and schedule from the same config."""
+    from jaxdp.optim import make_optimizer, make_schedule
+
+    cfg = p.cfg
+    lr = (cfg.lr if cfg.schedule == "constant" and cfg.warmup_steps == 0 else
+          make_schedule(cfg.schedule, cfg.lr, p.torch_config["total_steps"], warmup_steps=cfg.warmup_steps))
+    return make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                          weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps,
+                          clip_grad_norm=cfg.clip_grad_norm)
 
 
 def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
@@ -65,28 +72,37 @@ def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
 
 def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
                batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
-    import jax
-
     from jaxdp.interop import tree_to_torch_names, variables_from_state_dict
-    from parity_tests.optim_state import torch_optimizer_state
 
     # bfloat16 is mixed precision: float32 params (the master weights), bf16 compute.
     variables = variables_from_state_dict(state_dict, dtype="float32" if p.cfg.dtype == "bfloat16" else p.cfg.dtype)
     strategy = jax_strategy(p)
-    state = strategy.engine.init_state(variables)
+    host = ({"image": images.reshape(-1, *images.shape[2:]), "label": labels.reshape(-1)} for images, labels in batches)
+    return step_records(strategy, strategy.engine.init_state(variables), host, p.cfg.optimizer, tree_to_torch_names,
+                        lambda model_state: tree_to_torch_names(model_state.get("batch_stats", {}), "batch_stats"))
+
+
+def step_records(strategy, state, host_batches: Iterable, optimizer_name: str,
+                 torch_names: Callable, buffer_names: Callable) -> List[dict]:
+    """One ``strategy.engine.step`` per host batch (the global batch, rows in device order), and each
+    step's record in torch_ref's format (``compare.flatten``'s). ``torch_names(tree)``: a
+    params-shaped tree (params, grads, optimizer state) -> {torch name: array in torch layout};
+    ``buffer_names(model_state)``: the model state -> {torch buffer name: array}."""
+    import jax
+
+    from parity_tests.optim_state import torch_optimizer_state
+
     records = []
-    for images, labels in batches:
-        flat_images = images.reshape(-1, *images.shape[2:])
-        batch = strategy.engine.shard_batch({"image": flat_images, "label": labels.reshape(-1)})
-        state, metrics = strategy.engine.step(state, batch)
+    for host in host_batches:
+        state, metrics = strategy.engine.step(state, strategy.engine.shard_batch(host))
         metrics = jax.device_get(metrics)
         canon = jax.device_get(strategy.engine.canonical(state))
-        opt = torch_optimizer_state(p.cfg.optimizer, canon.opt_state)
+        opt = torch_optimizer_state(optimizer_name, canon.opt_state)
         opt_named: Dict[str, Dict[str, np.ndarray]] = {}
         for key, tree in opt.items():
             if key == "step":
                 continue
-            for name, value in tree_to_torch_names(tree).items():
+            for name, value in torch_names(tree).items():
                 opt_named.setdefault(name, {})[key] = value
         if "step" in opt:
             for name in opt_named:
@@ -94,9 +110,9 @@ def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
         records.append({
             "loss": float(metrics["loss"]),
             "loss_per_rank": [float(x) for x in np.asarray(metrics["loss_per_device"])],
-            "grads": tree_to_torch_names(metrics["grads"]),
-            "params": tree_to_torch_names(canon.params),
-            "buffers": tree_to_torch_names(canon.model_state.get("batch_stats", {}), "batch_stats"),
+            "grads": torch_names(metrics["grads"]),
+            "params": torch_names(canon.params),
+            "buffers": buffer_names(canon.model_state),
             "optimizer_state": opt_named,
         })
         comm = powersgd_state(canon.extra)

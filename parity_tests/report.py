@@ -102,10 +102,7 @@ def header(result) -> List[str]:
         f"parity: jaxdp {cfg.strategy} {j['jaxdp']['options'] or ''} on {cfg.devices} device(s)"
         f"  <->  torch_ref {p.torch_strategy} on {p.world} rank(s) ({j['torch']['backend']})",
         f"  twin: {p.pair.twin}",
-        f"  {cfg.model_summary()} {cfg.dtype}, {cfg.image_size}x{cfg.image_size}, "
-        f"{cfg.batch_per_device}/device, accum {cfg.accum_steps}, sync_bn {cfg.sync_bn}, "
-        f"{cfg.optimizer} lr {cfg.lr} ({cfg.schedule}), {cfg.steps} steps, jax x64 "
-        f"{({True: 'on', False: 'off'}).get(p.jax_x64, '?')}",
+        f"  {cfg.run_summary()}, jax x64 {({True: 'on', False: 'off'}).get(p.jax_x64, '?')}",
         f"  bounds: {result.comparison.bounds.name} (rel err = max|jax - torch| / max|torch| per tensor)",
         devices_line(p),
     ]

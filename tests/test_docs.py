@@ -194,6 +194,12 @@ def check_parity(namespace):
     from parity_tests.plan import plan
 
     cfg = config_from_args(namespace)
+    if namespace.pair:  # a pair of the user's own: its own refusals (parity_tests.own)
+        from parity_tests.own import PairRun
+        from parity_tests.own.runner import plan_pair
+
+        plan_pair(namespace.pair, PairRun(**cfg.to_json()), namespace.inject_bug)
+        return
     plan(cfg)
     if namespace.inject_bug:
         bugs.injection(namespace.inject_bug, cfg)
@@ -212,6 +218,10 @@ def check_module(module, args):
         parse(parser, args)
     elif module == "parity_tests.error_budget":
         from parity_tests.error_budget import build_parser
+
+        parse(build_parser(), args)
+    elif module == "parity_tests.own.matrix":
+        from parity_tests.own.matrix import build_parser
 
         parse(build_parser(), args)
     elif module == "torch_ref.train":

@@ -280,13 +280,13 @@ def test_fsdp_units_are_the_encoder_blocks():
     assert seen == [(("blocks", str(i)), {"norm1", "attn", "norm2", "mlp"}) for i in range(2)]
 
     # torch_ref fully_shards the same blocks, in forward order.
-    from torch_ref.strategies import _fsdp_blocks
+    from torch_ref.strategies import fsdp_blocks
 
     tmodel = torch_vit_model(double=False)
-    assert _fsdp_blocks(tmodel) == list(tmodel.blocks)
+    assert fsdp_blocks(tmodel) == list(tmodel.blocks)
     resnet = torch_models.resnet("resnet18", width=4)
     stages = ("layer1", "layer2", "layer3", "layer4")
-    assert _fsdp_blocks(resnet) == [b for s in stages for b in getattr(resnet, s)]
+    assert fsdp_blocks(resnet) == [b for s in stages for b in getattr(resnet, s)]
 
 
 @pytest.mark.float64

@@ -8,6 +8,11 @@ Inside an initialised process group (``torch_ref.launcher.run_steps`` makes one)
     # rank 0: {"loss", "loss_per_rank", "accuracy", "lr", "grads", "params",
     #          "buffers", "optimizer_state"}; other ranks: None
 
+A model of the caller's own: ``build(config, sd, model=module, task=..., units=...)``, the task
+saying what a batch is, what the loss is and which buffers are compared (``ClassifierTask``
+is the built-in models'; ``parity_tests.own.torch_rank.PairTask`` a user's pair's; a task
+with no accuracy leaves it out of the record).
+
 ``config`` keys (``DEFAULTS`` lists them with their defaults; unknown keys are refused): a
 ``jaxdp.config.step.StepConfig`` as a dict (the names ``jaxdp train`` and ``jaxdp parity``
 use), plus torch_ref's own PowerSGD seeding and ``nn.DataParallel``'s GPU count:
@@ -137,37 +142,73 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
-class Runner:
-    """A wrapped model, its optimizer and scheduler, stepped one global batch at a time."""
+class ClassifierTask:
+    """What a step computes on a batch, for the built-in image classifiers: batches
+    ``(images NHWC numpy, labels)`` (``to_torch_batch``), torch's mean cross-entropy, accuracy,
+    and BatchNorm's running stats as the compared buffers. ``Runner`` asks a task for these
+    and nothing else, so a model pair of a user's own brings its own (``parity_tests.own``)."""
 
-    def __init__(self, cfg: Dict[str, Any], parallel: strategies.Parallel, optimizer, scheduler):
+    def to_device(self, batch, device: torch.device, dtype: torch.dtype, memory_format: torch.memory_format):
+        images_nhwc, labels = batch
+        return to_torch_batch(images_nhwc, labels, device, dtype, memory_format)
+
+    def rows(self, batch) -> int:
+        return batch[0].shape[0]
+
+    def split(self, batch, k: int):
+        """``k`` micro-batches of consecutive rows (``torch.chunk``)."""
+        x, y = batch
+        return list(zip(x.chunk(k), y.chunk(k)))
+
+    def loss(self, model, micro):
+        """(the micro-batch's loss, its correct count or None)."""
+        x, y = micro
+        logits = model(x)
+        return F.cross_entropy(logits, y), (logits.detach().argmax(-1) == y).sum()
+
+    def compared_buffer(self, name: str) -> bool:
+        return name.endswith(("running_mean", "running_var"))
+
+
+CLASSIFIER = ClassifierTask()
+
+
+class Runner:
+    """A wrapped model, its optimizer and scheduler, stepped one global batch at a time.
+    ``task``: what a batch is and what the loss is (``ClassifierTask``)."""
+
+    def __init__(self, cfg: Dict[str, Any], parallel: strategies.Parallel, optimizer, scheduler, task=CLASSIFIER):
         self.config = cfg
         self.parallel = parallel
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.task = task
         self.dtype = DTYPES[cfg["dtype"]]
         self.memory_format = memory_format(cfg, parallel.device)
         self.steps = 0
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor):
+    def forward_backward(self, *batch):
         """Forward/backward over ``accum_steps`` micro-batches, gradient sync on the last
-        only. Returns (this rank's mean micro-batch loss, correct count, the lr the coming
-        update uses). Leaves the averaged gradients in ``.grad``."""
+        only. ``batch``: the task's, on the device (a classifier's ``x, y``). Returns (this rank's
+        mean micro-batch loss, correct count or None, the lr the coming update uses). Leaves
+        the averaged gradients in ``.grad``."""
+        batch = batch[0] if len(batch) == 1 else batch
         k = self.config["accum_steps"]
-        if x.shape[0] % k:
-            raise StrategyError(f"per-rank batch {x.shape[0]} is not divisible by {k} accumulation steps")
+        rows = self.task.rows(batch)
+        if rows % k:
+            raise StrategyError(f"per-rank batch {rows} is not divisible by {k} accumulation steps")
         par = self.parallel
         par.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
-        correct = torch.zeros((), dtype=torch.int64, device=x.device)
-        for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        loss_sum = torch.zeros((), dtype=torch.float64, device=par.device)
+        correct = None
+        for i, micro in enumerate(self.task.split(batch, k)):
             with par.micro_step(sync=(i == k - 1)):
-                logits = par.model(xm)
-                loss = F.cross_entropy(logits, ym)
+                loss, hits = self.task.loss(par.model, micro)
                 (loss / k).backward()
             loss_sum += loss.detach().double()
-            correct += (logits.detach().argmax(-1) == ym).sum()
+            if hits is not None:
+                correct = hits if correct is None else correct + hits
         lr = float(self.optimizer.param_groups[0]["lr"])
         return loss_sum / k, correct, lr
 
@@ -181,16 +222,18 @@ class Runner:
         self.scheduler.step()
         self.steps += 1
 
-    def step(self, images_nhwc: np.ndarray, labels: np.ndarray, collect: bool = True) -> Optional[dict]:
-        """One update on this rank's batch; the comparison record on rank 0, None elsewhere.
+    def step(self, *host_batch, collect: bool = True) -> Optional[dict]:
+        """One update on this rank's batch (the task's host batch: a classifier's
+        ``images_nhwc, labels``); the comparison record on rank 0, None elsewhere.
         ``collect=False`` returns only the losses, accuracy and lr (no gathers)."""
         par = self.parallel
-        x, y = to_torch_batch(images_nhwc, labels, par.device, self.dtype, self.memory_format)
-        loss, correct, lr = self.forward_backward(x, y)
+        batch = self.task.to_device(host_batch[0] if len(host_batch) == 1 else host_batch, par.device, self.dtype,
+                                    self.memory_format)
+        loss, correct, lr = self.forward_backward(batch)
         # Copied before the update: clip_grad_norm_ scales DDP's .grad in place.
         grads = {n: _numpy(g) for n, g in strategies.full_grads(par).items()} if collect else None
         self.update()
-        per_rank = tdist.all_gather_floats([float(loss), float(correct), x.shape[0]])
+        per_rank = tdist.all_gather_floats([float(loss), float(correct or 0), self.task.rows(batch)])
         if collect:
             params = strategies.full_params(par)
             opt_state = strategies.full_optimizer_state(par, self.optimizer)
@@ -201,14 +244,14 @@ class Runner:
             "step": self.steps,
             "loss": float(per_rank[:, 0].mean()),
             "loss_per_rank": per_rank[:, 0].tolist(),
-            "accuracy": float(per_rank[:, 1].sum() / per_rank[:, 2].sum()),
             "lr": lr,
         }
+        if correct is not None:
+            out["accuracy"] = float(per_rank[:, 1].sum() / per_rank[:, 2].sum())
         if collect:
             out["grads"] = grads
             out["params"] = {n: _numpy(p) for n, p in params.items()}
-            out["buffers"] = {n: _numpy(b) for n, b in par.module.named_buffers()
-                              if n.endswith(("running_mean", "running_var"))}
+            out["buffers"] = {n: _numpy(b) for n, b in par.module.named_buffers() if self.task.compared_buffer(n)}
             out["optimizer_state"] = {n: {k: _numpy(v) for k, v in s.items()}
                                       for n, s in opt_state.items()}
             if comm_state is not None:
@@ -239,26 +282,32 @@ def memory_format(cfg: Mapping[str, Any], device: torch.device) -> torch.memory_
     return torch.channels_last if cfg["tuned"] and device.type == "cuda" else torch.contiguous_format
 
 
-def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]] = None) -> Runner:
+def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]] = None, *,
+          model: Optional[torch.nn.Module] = None, task=CLASSIFIER, units=None) -> Runner:
     """A Runner for ``config`` (see the module docstring), starting from ``init_state_dict``
     ({torch name: numpy array}; None: torch's init under ``torch.manual_seed(seed)``).
-    Call on every rank with the same arguments, inside an initialised process group."""
+    Call on every rank with the same arguments, inside an initialised process group.
+
+    ``model``, ``task``, ``units``: a model of the caller's own (a CPU ``nn.Module``; the config's
+    model keys are then not read), what its batches and loss are (``ClassifierTask``'s methods),
+    and its FSDP2 units (``strategies.fsdp_blocks``; None: the model family's)."""
     cfg = resolve_config(config)
     options = strategy_options(cfg)
     device = tdist.device()
     torch.manual_seed(cfg["seed"])
-    try:
-        model = create_model(cfg["model"], num_classes=cfg["num_classes"],
-                             **{k: cfg[k] for k in _MODEL_KEYS})
-    except ValueError as e:  # unknown model or stem, bad width or blocks: say which
-        raise StrategyError(str(e)) from None
+    if model is None:
+        try:
+            model = create_model(cfg["model"], num_classes=cfg["num_classes"],
+                                 **{k: cfg[k] for k in _MODEL_KEYS})
+        except ValueError as e:  # unknown model or stem, bad width or blocks: say which
+            raise StrategyError(str(e)) from None
     model = model.to(device=device, dtype=DTYPES[cfg["dtype"]], memory_format=memory_format(cfg, device))
     if init_state_dict is not None:
         load_init_state(model, init_state_dict)
     if cfg["tuned"] and device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # the bench's tuned torch only: parity never sets tuned
     parallel = strategies.wrap(cfg["strategy"], model, device=device, sync_bn=cfg["sync_bn"],
-                               mixed_precision=cfg["dtype"] == "bfloat16",
+                               mixed_precision=cfg["dtype"] == "bfloat16", units=units,
                                **options)
     if cfg["compile"]:
         # The wrapped model (DDP's optimizer splits the graph at its buckets); optimizer eager.
@@ -269,4 +318,4 @@ def build(config: Mapping[str, Any], init_state_dict: Optional[Mapping[str, Any]
     scheduler = strategies.make_scheduler(optimizer, cfg["schedule"], cfg["lr"], cfg["total_steps"],
                                           warmup_steps=cfg["warmup_steps"], milestones=cfg["milestones"],
                                           gamma=cfg["gamma"])
-    return Runner(cfg, parallel, optimizer, scheduler)
+    return Runner(cfg, parallel, optimizer, scheduler, task)

@@ -132,11 +132,26 @@ def _gather_dim0_shards(named: Mapping[str, torch.Tensor]) -> Dict[str, torch.Te
     return out
 
 
-def _fsdp_blocks(model: nn.Module):
-    """The modules FSDP2 shards one by one, in forward order: every instance of the
-    model family's unit classes (``models.FSDP_UNITS``: a ResNet's residual blocks, a
-    ViT's encoder blocks), so this never names a model."""
-    return [m for m in model.modules() if isinstance(m, FSDP_UNITS)]
+def fsdp_blocks(model: nn.Module, units: Optional[Sequence[Any]] = None):
+    """The modules FSDP2 shards one by one, in ``named_modules`` order. Default: every instance of
+    the model family's unit classes (``models.FSDP_UNITS``: a ResNet's residual blocks, a ViT's
+    encoder blocks), so this never names a model. ``units``: a model's own, module classes and/or
+    fnmatch patterns on the '.'-joined module names (``"blocks.*"``); the outermost match wins, so
+    units never nest (jaxdp's ``units``, ``jaxdp.strategies.units``, cut the same way)."""
+    if units is None:
+        return [m for m in model.modules() if isinstance(m, FSDP_UNITS)]
+    import fnmatch
+
+    classes = tuple(u for u in units if isinstance(u, type))
+    patterns = [u for u in units if isinstance(u, str)]
+    found = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(outer + ".") for outer, _ in found)
+        if name and not inside and (isinstance(module, classes) or any(fnmatch.fnmatchcase(name, p) for p in patterns)):
+            found.append((name, module))
+    return [m for _, m in found]
+
+
 
 
 # ----------------------------------------------------------------------------- the strategies
@@ -190,9 +205,10 @@ def zero1(model: nn.Module, **ddp_options):
 
 
 def fsdp(model: nn.Module, *, reshard_after_forward: bool, mesh=None,
-         mixed_precision: bool = False) -> nn.Module:
-    """FSDP2: ``fully_shard`` each block (ResNet residual block, ViT encoder block), then
-    the root (stem, head and whatever the blocks left). ``reshard_after_forward=False``
+         mixed_precision: bool = False, units: Optional[Sequence[Any]] = None) -> nn.Module:
+    """FSDP2: ``fully_shard`` each block (ResNet residual block, ViT encoder block, or the
+    ``units`` a model names: ``fsdp_blocks``), then the root (stem, head and whatever the
+    blocks left). ``reshard_after_forward=False``
     keeps each block's gathered params until its backward (ZeRO-2: one all-gather per
     step); ``True`` frees them after the forward and all-gathers again in the backward
     (ZeRO-3). With ``mixed_precision`` (``mixed_precision_policies``) the forward and
@@ -203,14 +219,14 @@ def fsdp(model: nn.Module, *, reshard_after_forward: bool, mesh=None,
     if mesh is not None:
         kwargs["mesh"] = mesh
     if not mixed_precision:
-        for block in _fsdp_blocks(model):
+        for block in fsdp_blocks(model, units):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         return model
     norm, body, root = mixed_precision_policies()
     for layer in _norm_layers(model):  # first: a module already sharded keeps its own policy
         fully_shard(layer, mp_policy=norm, **kwargs)
-    for block in _fsdp_blocks(model):
+    for block in fsdp_blocks(model, units):
         fully_shard(block, mp_policy=body, **kwargs)
     fully_shard(model, mp_policy=root, **kwargs)
     return model
@@ -270,7 +286,7 @@ def hsdp_mesh_shape(mesh_shape: Optional[Sequence[int]], world: int) -> Tuple[in
 
 
 def hsdp(model: nn.Module, *, device: torch.device, mesh_shape: Optional[Sequence[int]] = None,
-         mixed_precision: bool = False) -> nn.Module:
+         mixed_precision: bool = False, units: Optional[Sequence[Any]] = None) -> nn.Module:
     """HSDP: FSDP2 over a 2-D mesh. Params are sharded over "shard" and replicated over
     "replicate"; gradients are reduce-scattered within a shard group, then all-reduced
     across replica groups (ZeRO-3 resharding, as ``zero3``)."""
@@ -278,7 +294,7 @@ def hsdp(model: nn.Module, *, device: torch.device, mesh_shape: Optional[Sequenc
 
     shape = hsdp_mesh_shape(mesh_shape, tdist.world_size())
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
-    return fsdp(model, reshard_after_forward=True, mesh=mesh, mixed_precision=mixed_precision)
+    return fsdp(model, reshard_after_forward=True, mesh=mesh, mixed_precision=mixed_precision, units=units)
 
 
 # ----------------------------------------------------------------------------- comm hooks
@@ -485,14 +501,15 @@ def twin(name: str) -> Twin:
 
 def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
          sync_bn: bool = False, mixed_precision: bool = False, announce: bool = True,
-         **options) -> Parallel:
+         units: Optional[Sequence[Any]] = None, **options) -> Parallel:
     """Wrap ``model`` (already on ``device``, in its final dtype) for strategy ``name``.
 
     ``options`` are the twin's own (``Twin.options``); any other is an error.
     ``mixed_precision``: FSDP2 ``MixedPrecisionPolicy``s (``mixed_precision_policies``: bf16
     compute, fp32 norm layers and gradient reduction), on CUDA and CPU; for dp/ddp/zero1, ``torch.autocast(bf16)``
     around forward and loss (params and grads stay fp32).
-    ``sync_bn``: ``SyncBatchNorm`` (CUDA only).
+    ``sync_bn``: ``SyncBatchNorm`` (CUDA only). ``units``: the FSDP2 twins' units (``fsdp_blocks``;
+    None: the model family's ``FSDP_UNITS``); the other twins have none.
     """
     chosen = twin(name)
     device = device or tdist.device()
@@ -512,7 +529,7 @@ def wrap(name: str, model: nn.Module, *, device: Optional[torch.device] = None,
         problem = compat.fsdp_cpu_problem() if device.type == "cpu" else None
         if problem:
             raise StrategyError(problem)
-        wrapped = chosen.wrap(model, device=device, mixed_precision=mixed_precision, **options)
+        wrapped = chosen.wrap(model, device=device, mixed_precision=mixed_precision, units=units, **options)
         module = wrapped  # fully_shard works in place: the root is the model
     else:
         autocast = torch.bfloat16 if mixed_precision else None

@@ -1,0 +1,96 @@
+"""jaxdp's side of a pair's run: the Flax model at the run's dtype, the loss as jaxdp's task
+contract, the strategy, and K steps recorded through the correspondence
+(``jax_side.step_records``: the same loop and record format as the built-in pairs).
+
+Nothing here imports jax at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Sequence
+
+import numpy as np
+
+from parity_tests.own.pair import ModelPair, PairError
+
+# run dtype -> (compute dtype, params' dtype): bfloat16 is bf16 compute on float32 master weights
+DTYPES = {"float64": ("float64", "float64"), "float32": ("float32", "float32"), "bfloat16": ("bfloat16", "float32")}
+
+
+def flax_model_at(model, dtype: str):
+    """``model`` computing in ``dtype``'s compute dtype: its ``dtype`` (and ``param_dtype``) fields set,
+    where it has them. bfloat16 needs the field: it is how a Flax model is told to compute in bf16."""
+    import jax.numpy as jnp
+
+    compute, params = DTYPES[dtype]
+    names = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else set()
+    if "dtype" not in names:
+        if dtype == "bfloat16":
+            raise PairError(f"--dtype bfloat16 needs a Flax model with a `dtype` field (the compute dtype its layers "
+                            f"take, Flax's convention); {type(model).__name__} has none")
+        return model
+    changes = {"dtype": jnp.dtype(compute)}
+    if "param_dtype" in names:
+        changes["param_dtype"] = jnp.dtype(params)
+    return model.clone(**changes)
+
+
+def host_batch(batch: Mapping[str, Any], dtype: str) -> Dict[str, np.ndarray]:
+    """The pair's numpy batch with its floating leaves in the run's dtype (float64, else float32)."""
+    from parity_tests.inputs import cast
+
+    return cast(dict(batch), np.float64 if dtype == "float64" else np.float32)
+
+
+def apply_fn(pair: ModelPair, model, dtype: str):
+    """``(variables, batch) -> (loss, new model state)``: the model on the batch's inputs, in
+    training (``flax_kwargs``), its non-params collections mutable; the pair's loss, averaged."""
+    import jax
+    import jax.numpy as jnp
+
+    inputs = pair.inputs("flax")
+
+    def run(variables, batch):
+        mutable = [c for c in variables if c != "params"]
+        out = model.apply(variables, *inputs(batch), mutable=mutable or False, **dict(pair.flax_kwargs))
+        outputs, new_state = out if mutable else (out, {})
+        if dtype == "bfloat16":  # the loss in float32, as torch's autocast and FSDP2's root policy give it
+            outputs = jax.tree_util.tree_map(
+                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, outputs)
+        return jnp.mean(pair.flax_loss(outputs, batch)), dict(new_state)
+
+    return run
+
+
+def task(pair: ModelPair, model, dtype: str):
+    """jaxdp's task contract (``jaxdp.loss.task``) for the pair: ``loss_fn(params, model_state, batch, rng)``."""
+    from jaxdp.loss.task import as_task
+
+    run = apply_fn(pair, model, dtype)
+
+    def loss_fn(params, model_state, batch, rng):
+        loss, new_state = run({"params": params, **model_state}, batch)
+        return loss, (new_state, {})
+
+    return as_task(loss_fn, model_inputs=pair.inputs("flax"), init_kwargs=dict(pair.flax_kwargs))
+
+
+def run_jax_pair(p, pair: ModelPair, model, corr, variables: Mapping[str, Any],
+                 batches: Sequence[Mapping[str, np.ndarray]]) -> List[dict]:
+    """K jaxdp steps of the plan's strategy from ``variables``; a record per step, by torch name."""
+    import jax
+
+    from jaxdp.runtime.mesh import make_mesh
+    from jaxdp.strategies import create_strategy, options_of
+    from parity_tests.jax_side import optimizer, step_records
+
+    cfg = p.cfg
+    with jax.enable_x64(cfg.dtype == "float64"):
+        p.jax_x64 = bool(jax.config.jax_enable_x64)
+        units = {"units": tuple(pair.flax_units)} if "units" in options_of(cfg.strategy) else {}
+        strategy = create_strategy(cfg.strategy, model, task(pair, model, cfg.dtype), optimizer(p),
+                                   make_mesh(cfg.devices), accum_steps=cfg.accum_steps, return_grads=True, **units,
+                                   **p.jax_options)
+        state = strategy.engine.init_state(variables)
+        return step_records(strategy, state, batches, cfg.optimizer, corr.params_to_torch, corr.state_to_torch)
