@@ -28,7 +28,7 @@ Runs on CPU with gloo (torch 2.13): ``run_pipeline_steps`` starts ``dp x pp`` ra
 the tutorial's ToyMpModel split over two stages, one micro-batch.
 """
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -92,19 +92,32 @@ class ToyStage(nn.Module):
         return self.net2(x) if self.net2 is not None else x
 
 
+class Pipelined(NamedTuple):
+    """A pipelined model family: its whole torch model from the config's sizes, its stage module,
+    and how many pipeline layers it has (jaxdp's ``model.pipeline_layers()`` has as many)."""
+    whole: Callable[[Mapping[str, Any]], nn.Module]
+    stage: type
+    layers: Callable[[Mapping[str, Any]], int]
+
+
+PIPELINED = {
+    "vit": Pipelined(lambda sizes: VisionTransformer(**sizes), ViTStage, lambda sizes: sizes["depth"] + 2),
+    "toy": Pipelined(lambda sizes: ToyMpModel(), ToyStage, lambda sizes: 2),
+}
+
+
 def pipeline_layer_count(family: str, model: Mapping[str, Any]) -> int:
     """How many pipeline layers the model has (jaxdp's ``model.pipeline_layers()`` has as many)."""
-    return model["depth"] + 2 if family == "vit" else 2
+    return PIPELINED[family].layers(model)
 
 
 def build_stage(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray], stage: int) -> nn.Module:
     """Stage ``stage`` of the config's model, loaded from the full ``state_dict``."""
-    family = cfg.get("family", "vit")
-    whole = VisionTransformer(**cfg["model"]) if family == "vit" else ToyMpModel()
-    whole = whole.to(getattr(torch, cfg["dtype"]))
+    family = PIPELINED[cfg.get("family", "vit")]
+    whole = family.whole(cfg.get("model", {})).to(getattr(torch, cfg["dtype"]))
     whole.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()})
     first, last = cfg["bounds"][stage]
-    return (ViTStage if family == "vit" else ToyStage)(whole, first, last)
+    return family.stage(whole, first, last)
 
 
 def pipeline_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],

@@ -12,7 +12,7 @@ would hold q of every head and none of v. The rows are therefore regrouped by ra
 runs its own ``heads / tp`` heads. Full tensors read back (``full_tensor()``) are regrouped
 to the canonical order before they are recorded, so they compare with jaxdp's canonical state.
 
-A ResNet (``cfg["family"] == "resnet"``) is split by hand instead, channel-parallel inside each
+A ResNet (``BUILDERS["resnet"]``) is split by hand instead, channel-parallel inside each
 block (``torch_ref/resnet_tp.py``): the TP styles refuse ``Conv2d``.
 
 Runs on CPU with gloo (torch 2.13): ``run_tp_steps`` starts ``dp x tp`` ranks.
@@ -95,12 +95,14 @@ def build_vit(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray], mesh
     return model, lambda name, t: canonical(name, t, tp, layouts)
 
 
-def _builder(family: str):
-    if family == "resnet":  # channel-parallel by hand: torch's TP styles refuse Conv2d
-        from torch_ref.resnet_tp import build
+def _resnet_tp(cfg, state_dict, mesh):  # channel-parallel by hand: torch's TP styles refuse Conv2d
+    from torch_ref.resnet_tp import build
 
-        return build
-    return build_vit
+    return build(cfg, state_dict, mesh)
+
+
+# Each model family's tensor-parallel twin: (cfg, full state_dict, 2-D mesh) -> (model, canonical).
+BUILDERS = {"vit": build_vit, "resnet": _resnet_tp}
 
 
 def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
@@ -114,7 +116,7 @@ def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
     dp = cfg["dp"]
     mesh = init_device_mesh("cpu", (dp, cfg["tp"]), mesh_dim_names=("dp", "tp"))
     dtype = getattr(torch, cfg["dtype"])
-    model, full = _builder(cfg.get("family", "vit"))(cfg, state_dict, mesh)
+    model, full = BUILDERS[cfg.get("family", "vit")](cfg, state_dict, mesh)
     wrapped = _data_parallel(model, mesh["dp"], cfg["strategy"])
     # Held from here on: DDP's forward hooks swap tensor-parallel params between their local
     # shards and DTensors, and after the first forward model.named_parameters() lists only
