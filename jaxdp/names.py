@@ -17,6 +17,10 @@ A model family (``Family``):
   an option of another family is refused unless left at its default, so that a caller may pass
   a whole config (the trainer's width/blocks/stem) whatever the model;
 - ``batchnorm``: it normalises with BatchNorm (running statistics; parity's bfloat16 bounds).
+
+An optimizer (``Optimizer``): its name (torch.optim's semantics), the learning rate ``bench``,
+``inspect`` and ``plan`` step with (they take no ``--lr``), and torch.optim's own default weight
+decay (AdamW's 1e-2; what the model-parallel parity runs with).
 """
 
 from dataclasses import dataclass, field
@@ -25,6 +29,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 class ModelError(ValueError):
     """A model option the user chose does not exist (the same one line in both frameworks)."""
+
+
+class ChoiceError(ValueError):
+    """A name the user chose is not in its table (one line)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,19 @@ VIT_IMAGE_SIZE = 32  # a ViT's input side when image_size is None
 STEMS = ("cifar", "imagenet")  # ResNet: 3x3/1 conv for 32x32 inputs, or torchvision's 7x7/2 conv + max-pool
 DTYPES = ("float32", "bfloat16", "float64")  # bfloat16: bf16 compute on float32 params
 DATASETS = ("synthetic", "cifar10", "digits")
-OPTIMIZERS = ("sgd", "adam", "adamw")  # torch.optim's semantics
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str  # torch.optim's semantics
+    default_lr: float  # bench, inspect and plan's (no --lr there)
+    torch_weight_decay: float  # torch.optim's default
+
+
+OPTIMIZER_TABLE: Tuple[Optimizer, ...] = (Optimizer("sgd", 0.1, 0.0), Optimizer("adam", 1e-3, 0.0),
+                                          Optimizer("adamw", 1e-3, 1e-2))
+OPTIMIZERS = tuple(o.name for o in OPTIMIZER_TABLE)
+
 SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
 ALLREDUCES = ("psum", "ring")  # how DDP's all-reduce sums: XLA's collective, or a ring of ppermutes
 COMPRESSIONS = ("bf16", "fp16", "powersgd")  # torch's DDP communication hooks
@@ -73,6 +93,14 @@ def family(model: str) -> Family:
         if model in f.models:
             return f
     raise ModelError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+
+
+def optimizer(name: str) -> Optimizer:
+    """The row of an optimizer name from OPTIMIZERS (ChoiceError, one line, for another name)."""
+    for o in OPTIMIZER_TABLE:
+        if o.name == name:
+            return o
+    raise ChoiceError(f"unknown optimizer {name!r}; valid choices: {', '.join(OPTIMIZERS)}")
 
 
 def check_options(model: str, given: Mapping[str, Any]) -> Family:

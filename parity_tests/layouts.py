@@ -44,6 +44,12 @@ def _float64_sgd_or_adamw(cfg: ParityConfig, what: str) -> None:
         raise ParityError(f"{what} parity runs in float64 with sgd (momentum 0.9) or adamw")
 
 
+def _optimizer(cfg: ParityConfig) -> dict:
+    """The optimizer of a mesh parity: the named one at the given lr, with torch.optim's default weight decay
+    (AdamW's 1e-2)."""
+    return dict(optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=names.optimizer(cfg.optimizer).torch_weight_decay)
+
+
 def _vit(cfg: ParityConfig, what: str) -> dict:
     """The named ViT with the sizes given on the command line, or one line saying it is not a ViT."""
     if cfg.model not in names.VIT.models:
@@ -71,7 +77,7 @@ def tp_config(cfg: ParityConfig, sizes: dict):
         raise ParityError(f"tensor-parallel parity runs {' or '.join(runs)} on the data axis, not {cfg.strategy}")
     _float64_sgd_or_adamw(cfg, "tensor-parallel")
     common = dict(strategy=cfg.strategy, data=sizes.get("data", 1), model=sizes["model"], steps=cfg.steps,
-                  batch_per_rank=cfg.batch_per_device, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed)
+                  batch_per_rank=cfg.batch_per_device, seed=cfg.seed, **_optimizer(cfg))
     if cfg.model in names.RESNET.models:  # channel-parallel against the hand-written twin
         resnet = dict(name=cfg.model, num_classes=10, width=cfg.width, blocks=tuple(cfg.blocks or (1, 1, 1, 1)))
         return mp.TPConfig(family="resnet", resnet=resnet, **common)
@@ -90,8 +96,8 @@ def pp_config(cfg: ParityConfig, sizes: dict):
                           f"stages' grads over dp), not {cfg.strategy}")
     _float64_sgd_or_adamw(cfg, "pipeline")
     return pp.PPConfig(data=sizes.get("data", 1), stage=sizes["stage"], microbatches=cfg.microbatches or sizes["stage"],
-                       steps=cfg.steps, batch_per_rank=cfg.batch_per_device, optimizer=cfg.optimizer, lr=cfg.lr,
-                       seed=cfg.seed, vit=_vit(cfg, "parity on a stage axis runs a ViT (or the toy, in its tests)"))
+                       steps=cfg.steps, batch_per_rank=cfg.batch_per_device, seed=cfg.seed, **_optimizer(cfg),
+                       vit=_vit(cfg, "parity on a stage axis runs a ViT (or the toy, in its tests)"))
 
 
 def run_tensor_parallel(cfg: ParityConfig, sizes: dict, out: str, bug: Optional[str]) -> int:

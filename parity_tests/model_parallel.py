@@ -2,9 +2,10 @@
 (``torch_ref.tensor_parallel``: ``parallelize_module`` on a 2-D ``DeviceMesh``, then DDP or
 FSDP2 on its ``dp`` dim), and against the same model on one device.
 
-Two model families (``TPConfig.family``): the ViT, split Megatron's way, and the ResNet,
-channel-parallel inside each block (``jaxdp/models/resnet/parallel.py``; its torch twin is
-written by hand, ``torch_ref/resnet_tp.py``, as torch's TP styles refuse ``Conv2d``).
+Two model families (``TPConfig.family``, a row of ``parity_tests.mp_families``): the ViT, split
+Megatron's way, and the ResNet, channel-parallel inside each block
+(``jaxdp/models/resnet/parallel.py``; its torch twin is written by hand,
+``torch_ref/resnet_tp.py``, as torch's TP styles refuse ``Conv2d``).
 
 One run: the model is initialised in torch and converted (``jaxdp.interop``); both sides take
 the same per-data-rank batches for ``steps`` steps; every step's loss, each data rank's
@@ -31,10 +32,10 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from jaxdp import registry
+from parity_tests import mp_families
 
 SMALL_VIT = dict(num_classes=10, image_size=16, patch=8, dim=16, depth=2, heads=4, mlp_dim=32)
 SMALL_RESNET = dict(name="resnet18", num_classes=10, width=4, blocks=(1, 1, 1, 1))
-RESNET_IMAGE_SIZE = 16  # 8x8 leaves layer4 1x1: its BatchNorm over 4 values amplifies rounding 100x in 10 steps
 BUGS = {"missing_row_all_reduce": "row-parallel layers (attn.proj, mlp.fc2, a ResNet block's conv2) keep "
                                   "device 0's partial sum instead of all-reducing over model"}
 
@@ -48,70 +49,44 @@ class TPConfig:
     batch_per_rank: int = 4
     optimizer: str = "sgd"       # sgd (momentum 0.9) | adamw
     lr: float = 0.05
+    weight_decay: float = 0.0    # both sides' (jaxdp parity --mesh: torch.optim's default, jaxdp.names)
     seed: int = 0
-    family: str = "vit"          # vit | resnet
+    family: str = "vit"          # a row of mp_families.FAMILIES: vit | resnet | toy
     vit: Dict[str, int] = field(default_factory=lambda: dict(SMALL_VIT))
     resnet: Dict[str, object] = field(default_factory=lambda: dict(SMALL_RESNET))
+    family_row: mp_families.MPFamily = field(init=False, repr=False, compare=False)  # the family's row
 
-    @property
-    def model_config(self) -> dict:
-        return dict(self.resnet if self.family == "resnet" else self.vit)
-
-    @property
-    def image_size(self) -> int:
-        return RESNET_IMAGE_SIZE if self.family == "resnet" else self.vit["image_size"]
+    def __post_init__(self):
+        self.family_row = mp_families.family(self.family)
 
     @property
     def torch_config(self):
         return {"dp": self.data, "tp": self.model, "strategy": registry.row(self.strategy).torch_twin, "dtype": "float64",
-                "family": self.family, "model": self.model_config, "optimizer": self.optimizer, "lr": self.lr,
-                "momentum": 0.9, "weight_decay": 0.01}
+                "family": self.family, "model": self.family_row.sizes(self), "optimizer": self.optimizer,
+                "lr": self.lr, "momentum": 0.9, "weight_decay": self.weight_decay}
 
 
 def init_state_dict(cfg: TPConfig) -> Dict[str, np.ndarray]:
+    """The config's torch model, seeded with ``cfg.seed``, in float64: the start both sides load."""
     import torch
 
-    from torch_ref.models import resnet
-    from torch_ref.vit import VisionTransformer
-
     torch.manual_seed(cfg.seed)
-    model = resnet(**cfg.resnet) if cfg.family == "resnet" else VisionTransformer(**cfg.vit)
-    return {k: v.numpy().copy() for k, v in model.double().state_dict().items()}
+    return {k: v.numpy().copy() for k, v in cfg.family_row.torch_model(cfg).double().state_dict().items()}
 
 
 def make_batches(cfg: TPConfig):
-    """Per step: images (data, b, H, W, 3) and labels (data, b), one row block per data rank."""
-    rng = np.random.default_rng(cfg.seed)
-    size = cfg.image_size
-    shape = (cfg.data, cfg.batch_per_rank)
-    return [(rng.normal(size=shape + (size, size, 3)), rng.integers(0, cfg.model_config["num_classes"], shape))
-            for _ in range(cfg.steps)]
-
-
-def jax_model(cfg: TPConfig):
-    """jaxdp's twin of the config's model in float64, and its FSDP units (zero3)."""
-    import jax.numpy as jnp
-
-    from jaxdp.models import create_model, fsdp_units
-    from jaxdp.models.vit import ViT
-
-    if cfg.family == "resnet":
-        model = create_model(dtype="float64", **cfg.resnet)
-    elif cfg.family == "toy":  # the DDP tutorial's model (parity_tests.pipeline_parallel)
-        from jaxdp.models.toy import ToyMpModel
-
-        return ToyMpModel(dtype=jnp.float64, param_dtype=jnp.float64), ()  # one unit per stage: no zero3 units
-    else:
-        model = ViT(**cfg.vit, dtype=jnp.float64, param_dtype=jnp.float64)
-    return model, fsdp_units(model)
+    """Per step: inputs (data, b, ...) (images (data, b, H, W, 3); the toy's features (data, b, 10)) and
+    labels (data, b), one row block per data rank."""
+    rng, shape = np.random.default_rng(cfg.seed), (cfg.data, cfg.batch_per_rank)
+    example, classes = cfg.family_row.input_shape(cfg), cfg.family_row.classes(cfg)
+    return [(rng.normal(size=shape + example), rng.integers(0, classes, shape)) for _ in range(cfg.steps)]
 
 
 def jax_optimizer(cfg: TPConfig):
-    import optax
+    """torch.optim's equal with the config's lr and weight decay (sgd: momentum 0.9, as the twin's)."""
+    from jaxdp.optim import make_optimizer
 
-    if cfg.optimizer == "sgd":
-        return optax.sgd(cfg.lr, momentum=0.9)
-    return optax.adamw(cfg.lr, weight_decay=0.01)
+    return make_optimizer(cfg.optimizer, cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
 
 
 @contextlib.contextmanager
@@ -156,11 +131,11 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
     axes = mesh_axes or {"data": cfg.data, "model": cfg.model}
     name = cfg.strategy if axes != {"data": 1} else "ddp"
     with jax.enable_x64(True), injected(bug):
-        model, units = jax_model(cfg)
+        model, units = cfg.family_row.jax_model(cfg)
         options = {**({"units": units} if "units" in options_of(name) else {}), **(options or {})}
         strategy = create_strategy(name, model, classifier(model), jax_optimizer(cfg), make_mesh(**axes),
                                    return_grads=True, **options)
-        state = strategy.engine.init_state(_variables(cfg, model, state_dict))
+        state = strategy.engine.init_state(cfg.family_row.variables(cfg, model, state_dict))
         records = []
         for images, labels in batches:
             batch = {"image": images.reshape(-1, *images.shape[2:]), "label": labels.reshape(-1).astype(np.int32)}
@@ -175,21 +150,6 @@ def run_jax(cfg: TPConfig, state_dict, batches, mesh_axes: Optional[dict] = None
             if axes["data"] == len(images):  # one loss per data rank, as torch's dp ranks report
                 records[-1]["loss_per_rank"] = [float(x) for x in np.asarray(metrics["loss_per_device"])]
     return records
-
-
-def _variables(cfg: TPConfig, model, state_dict):
-    """jaxdp's float64 variables from a torch ``state_dict`` (the toy's through its params' names)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdp.interop import tree_from_torch_names, variables_from_state_dict
-
-    if cfg.family != "toy":
-        return variables_from_state_dict(state_dict, dtype="float64")
-    from jaxdp.models.toy import IN_FEATURES
-
-    like = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, IN_FEATURES), jnp.float64))
-    return {"params": tree_from_torch_names(state_dict, like["params"])}
 
 
 def run_torch(cfg: TPConfig, state_dict, batches) -> List[dict]:

@@ -8,7 +8,8 @@ initialised in torch and converted; both sides cut it into the same stages (jaxd
 ``stage_bounds``), take the same per-data-rank batches, each cut into the same M micro-batches,
 for ``steps`` steps; every step's loss, each data rank's loss, every averaged gradient and
 every parameter after the update are compared in the canonical layout, float64 bounds (rel
-<= 1e-10). Two models (``PPConfig.family``): a small ViT, and the DDP tutorial's ToyMpModel.
+<= 1e-10). Two models (``PPConfig.family``, rows of ``parity_tests.mp_families``): a small ViT,
+and the DDP tutorial's ToyMpModel.
 
 Injected bugs (``BUGS``), each a jaxdp-side mistake torch's schedule cannot make, so each is
 caught against torch: the micro-batch losses summed without the 1/M scale (torch's
@@ -22,8 +23,6 @@ Nothing imports jax or torch at module level (``--devices`` must reach XLA first
 import contextlib
 from dataclasses import dataclass
 from typing import List, Optional
-
-import numpy as np
 
 from parity_tests import model_parallel as mp
 
@@ -44,8 +43,9 @@ class PPConfig(mp.TPConfig):
         from jaxdp.parallel.pipeline import stage_bounds
         from torch_ref.pipeline import pipeline_layer_count
 
-        return {**super().torch_config, "pp": self.stage, "microbatches": self.microbatches,
-                "bounds": stage_bounds(pipeline_layer_count(self.family, self.vit), self.stage)}
+        config = super().torch_config
+        return {**config, "pp": self.stage, "microbatches": self.microbatches,
+                "bounds": stage_bounds(pipeline_layer_count(self.family, config["model"]), self.stage)}
 
     @property
     def mesh_axes(self) -> dict:
@@ -68,25 +68,7 @@ def injected(bug: Optional[str]):
                              lambda self: [(i, (i + 2) % self.size) for i in range(self.size)])
 
 
-def init_state_dict(cfg: PPConfig):
-    import torch
-
-    from torch_ref.pipeline import ToyMpModel
-
-    if cfg.family != "toy":
-        return mp.init_state_dict(cfg)
-    torch.manual_seed(cfg.seed)
-    return {k: v.numpy().copy() for k, v in ToyMpModel().double().state_dict().items()}
-
-
-def make_batches(cfg: PPConfig):
-    """Per step: inputs (data, b, ...) and labels (data, b); the toy's inputs are 10 features."""
-    if cfg.family != "toy":
-        return mp.make_batches(cfg)
-    from torch_ref.pipeline import IN_FEATURES, OUT_FEATURES
-
-    rng, shape = np.random.default_rng(cfg.seed), (cfg.data, cfg.batch_per_rank)
-    return [(rng.normal(size=shape + (IN_FEATURES,)), rng.integers(0, OUT_FEATURES, shape)) for _ in range(cfg.steps)]
+init_state_dict, make_batches = mp.init_state_dict, mp.make_batches  # the family's row says what differs
 
 
 def run_jax(cfg: PPConfig, state_dict, batches, bug: Optional[str] = None) -> List[dict]:

@@ -261,6 +261,14 @@ def test_cli_inspect_refuses_an_option_the_strategy_refuses(capsys):
     assert err.startswith("jaxdp: error: ") and "compress" in err and "\n" not in err
 
 
+def test_cli_inspect_refuses_an_unknown_optimizer_in_one_line(capsys):
+    argv = ["inspect", "--strategy", "ddp", "--devices", "2", "--width", "4", "--blocks", "1,1,1,1",
+            "--image-size", "16", "--optimizer", "lamb", "--no-compile"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxdp: error: unknown optimizer 'lamb'; valid choices: sgd, adam, adamw", err
+
+
 HLO = """HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[16]{0})->f32[16]{0}}
 
 %add (a: f32[], b: f32[]) -> f32[] {

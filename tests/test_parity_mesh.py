@@ -8,6 +8,7 @@ import pytest
 
 from jaxdp.cli.command import main
 from parity_tests import model_parallel as mp
+from parity_tests import mp_families
 from parity_tests import pipeline_parallel as pp
 
 
@@ -28,6 +29,8 @@ def test_a_model_axis_runs_the_tensor_parallel_parity_of_the_named_vit(monkeypat
     cfg = seen["cfg"]
     assert (cfg.strategy, cfg.data, cfg.model, cfg.steps, cfg.batch_per_rank, cfg.optimizer) == \
         ("zero3", 2, 2, 3, 4, "adamw")
+    assert cfg.weight_decay == 0.01  # torch.optim.AdamW's default, on both sides (torch_config, jax_optimizer)
+    assert cfg.torch_config["weight_decay"] == 0.01
     # vit-tiny's heads, mlp_dim and patch; the sizes given on the command line
     assert cfg.vit == dict(dim=16, depth=2, heads=3, mlp_dim=768, patch=4, num_classes=10, image_size=16)
     assert "tensor-parallel parity (zero3 data=2 x model=2" in capsys.readouterr().out
@@ -54,9 +57,16 @@ def test_a_stage_axis_runs_the_pipeline_parity_of_the_named_vit(monkeypatch, tmp
     cfg = seen["cfg"]
     assert (cfg.data, cfg.stage, cfg.microbatches, cfg.steps, cfg.batch_per_rank, seen["bug"]) == \
         (2, 2, 4, 3, 8, "stage_order")
+    assert cfg.weight_decay == 0.0  # SGD's: none
     assert cfg.vit == dict(dim=16, depth=2, heads=3, mlp_dim=768, patch=4, num_classes=10, image_size=16)
     assert "pipeline parity (ddp data=2 x stage=2, 4 micro-batches, vit-tiny" in capsys.readouterr().out
     assert json.loads((tmp_path / "report.json").read_text())["mesh"] == {"data": 2, "stage": 2}
+
+
+def test_a_model_family_the_harness_does_not_know_is_one_line():
+    with pytest.raises(ValueError, match=r"^the model-parallel parity runs the families vit, resnet, toy, not 'lstm'$"):
+        mp.TPConfig(family="lstm")
+    assert mp.TPConfig(family="resnet").family_row is mp_families.FAMILIES["resnet"]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -138,7 +138,7 @@ def pipeline_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndar
     stage = PipelineStage(module, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule, unscaled = gpipe(stage, cfg["microbatches"], loss_fn=F.cross_entropy)
     optimizer = optimizer_for([p for _, p in named], cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"],
-                              weight_decay=cfg["weight_decay"] if cfg["optimizer"] == "adamw" else 0.0)
+                              weight_decay=cfg["weight_decay"])
     dtype, last = getattr(torch, cfg["dtype"]), s == pp - 1
     records = []
     for images, labels in batches:

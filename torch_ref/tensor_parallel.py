@@ -123,7 +123,7 @@ def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
     # the others (torch 2.13; DESIGN.md section 8). These objects are what DDP reduces.
     named = list(model.named_parameters())
     optimizer = optimizer_for([p for _, p in named], cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"],
-                              weight_decay=cfg["weight_decay"] if cfg["optimizer"] == "adamw" else 0.0)
+                              weight_decay=cfg["weight_decay"])
     me = mesh["dp"].get_local_rank()
     records = []
     for images, labels in batches:

@@ -66,10 +66,9 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
 
 
 def build_strategy(name: str, mesh, net, optimizer: str, options: Optional[dict] = None):
-    """Strategy ``name`` training ``net`` (a classifier) on ``mesh`` with ``optimizer`` (sgd: lr 0.1,
-    momentum 0.9; others lr 1e-3) and the model's FSDP units: what ``inspect`` and ``plan`` measure."""
-    lr = 0.1 if optimizer == "sgd" else 1e-3
-    tx = make_optimizer(optimizer, lr, momentum=0.9) if optimizer == "sgd" else make_optimizer(optimizer, lr)
+    """Strategy ``name`` training ``net`` (a classifier) on ``mesh`` with ``optimizer`` at its default lr
+    (``jaxdp.names``; sgd with momentum 0.9) and the model's FSDP units: what ``inspect`` and ``plan`` measure."""
+    tx = make_optimizer(optimizer, names.optimizer(optimizer).default_lr)
     return create_strategy(name, net, classifier(net), tx, mesh, **fsdp_options(name, net, options))
 
 

@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional
 
 from jaxdp import __version__
+from jaxdp.names import ChoiceError
 from jaxdp.config import files as config_file
 from jaxdp.runtime import startup
 from jaxdp.cli.commands import Command, CommandError, registered
@@ -99,8 +100,8 @@ def _user_errors():
     from jaxdp.optim import ConfigError
     from jaxdp.strategies import StrategyError
 
-    return (CommandError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ConfigError, StrategyError,
-            TrainError)
+    return (CommandError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ChoiceError, ConfigError,
+            StrategyError, TrainError)
 
 
 def add_train_command_args(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from jaxdp.cli.commands import Command
 from jaxdp.config import choices
 from jaxdp.config.flags import VIT_SIZES, add_arguments, add_mesh_flag, add_vit_flags, comma_ints
 from jaxdp.config.step import StrategyOptions, options_where
+from jaxdp.names import ChoiceError
 from jaxdp.runtime.mesh import MeshError, mesh_sizes, simulate_cpu_devices
 
 DEFAULT_DEVICES = 8
@@ -74,7 +75,7 @@ def run(args) -> int:
             image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
             mesh=mesh, vit=vit, schedule=args.schedule,
         )
-    except (InspectError, StrategyError, MeshError, ModelError) as e:  # e.g. --compress on zero2/3: one line
+    except (InspectError, StrategyError, MeshError, ModelError, ChoiceError) as e:  # e.g. --compress on zero2/3: one line
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from jaxdp import names
 from torch_commands.bench import cuda_host, levers
 from torch_commands.bench.jax_side import cores_for
 from torch_commands.bench.torch_side import compile_preflight
@@ -114,7 +115,7 @@ def bare_jax_step(cfg: dict, images: np.ndarray, labels: np.ndarray, lever: Opti
     from jaxdp.optim import make_optimizer
 
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"], **cfg.get("vit", {}))
-    tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
+    tx = make_optimizer(cfg["optimizer"], names.optimizer(cfg["optimizer"]).default_lr)
     x, y = jax.device_put(np.asarray(images, np.dtype(net.dtype))), jax.device_put(np.asarray(labels, np.int32))
     variables = jax.jit(lambda x: net.init(jax.random.key(0), x, train=False))(x)
     params, batch_stats = variables["params"], variables.get("batch_stats", {})
@@ -193,7 +194,7 @@ def _bare_torch(cfg: dict, images: np.ndarray, labels: np.ndarray, compile_backe
     dtype = torch.float64 if cfg["dtype"] == "float64" else torch.float32  # bfloat16: autocast, f32 weights
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], **cfg.get("vit", {}))
     net = net.to(device, dtype, memory_format=layout)
-    opt = optimizer_for(list(net.parameters()), cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
+    opt = optimizer_for(list(net.parameters()), cfg["optimizer"], names.optimizer(cfg["optimizer"]).default_lr)
     model = torch.compile(net, backend=compile_backend) if compile_backend else net
     x = torch.from_numpy(np.ascontiguousarray(np.asarray(images).transpose(0, 3, 1, 2)))
     x = x.to(device, dtype).contiguous(memory_format=layout)

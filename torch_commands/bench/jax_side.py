@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from jaxdp import registry
+from jaxdp import names, registry
 from jaxdp.runtime.mesh import make_mesh, simulate_cpu_devices
 from torch_commands.bench import cuda_host, levers
 
@@ -80,7 +80,7 @@ def _bench_jax(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.ndar
     from jaxdp.loss.task import classifier
 
     net = create_model(cfg["model"], width=cfg["width"], blocks=cfg["blocks"], dtype=cfg["dtype"], **cfg.get("vit", {}))
-    tx = make_optimizer(cfg["optimizer"], 0.1 if cfg["optimizer"] == "sgd" else 1e-3)
+    tx = make_optimizer(cfg["optimizer"], names.optimizer(cfg["optimizer"]).default_lr)
     shape = registry.mesh_shape(name, n)
     options = dict(options, **({"mesh_shape": shape} if shape else {}))
     # zero3/hsdp shard per FSDP unit (the ResNet's blocks), as torch_ref's fully_shard does.

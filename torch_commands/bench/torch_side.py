@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from jaxdp import registry
+from jaxdp import names, registry
 
 
 def _torch_worker(rank: int, world: int, workdir: str, config: dict, images: np.ndarray, labels: np.ndarray,
@@ -127,7 +127,7 @@ def bench_torch(name: str, n: int, cfg: dict, images: np.ndarray, labels: np.nda
     from torch_ref.strategies import twin
 
     config = {"strategy": torch_twin(name), "model": cfg["model"], "width": cfg["width"], "blocks": cfg["blocks"],
-              "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": 0.1 if cfg["optimizer"] == "sgd" else 1e-3,
+              "dtype": cfg["dtype"], "optimizer": cfg["optimizer"], "lr": names.optimizer(cfg["optimizer"]).default_lr,
               "total_steps": cfg["warmup"] + cfg["steps"] + 1, "tuned": True, "compile": compile_backend}
     warmup = max(cfg["warmup"], 1) if compile_backend else cfg["warmup"]
     if registry.mesh_shape(name, n):
