@@ -218,6 +218,9 @@ class FakeChild:
             raise subprocess.TimeoutExpired("child", timeout)
         return -9
 
+    def poll(self):
+        return -9 if self.killed else None
+
     def kill(self):
         self.killed = True
 
@@ -250,3 +253,17 @@ def test_refusals_are_one_line(gpus, tmp_path, capsys):
         assert main([*argv, "--dry-run", "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("gpu-check: error: ") and err.count("\n") == 1, err
+
+
+def test_an_interrupted_check_leaves_no_simulated_child_behind(gpus, tmp_path, monkeypatch):
+    gpus(1)
+    plan = planning.make_plan("gpu", 1, "nccl", ["float32"], ["ddp"], str(tmp_path))
+    child = FakeChild(plan, [])
+    monkeypatch.setattr(subprocess, "Popen", child)
+
+    def interrupted(pair, png=False):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run, "run_pair", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run.run(plan, log=lambda *_: None)
+    assert child.killed

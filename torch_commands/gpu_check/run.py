@@ -71,8 +71,8 @@ def start_simulated(plan: CheckPlan, log=print) -> Optional[subprocess.Popen]:
     env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", JAXDP_TORCH_BACKEND="gloo")
     log(f"[simulated, in a child process from now on] {shlex.join(argv[1:])}  (JAX_PLATFORMS=cpu, torch on gloo)")
     os.makedirs(out, exist_ok=True)
-    logfile = open(os.path.join(out, "child.log"), "w")
-    return subprocess.Popen(argv, env=env, stdout=logfile, stderr=subprocess.STDOUT, text=True)
+    with open(os.path.join(out, "child.log"), "w") as logfile:  # the child writes through its own copy
+        return subprocess.Popen(argv, env=env, stdout=logfile, stderr=subprocess.STDOUT, text=True)
 
 
 def finish_simulated(plan: CheckPlan, child: Optional[subprocess.Popen], clock: Deadline, log=print) -> None:
@@ -161,13 +161,8 @@ def run_bench_row(plan: CheckPlan) -> None:
     b["seconds"] = time.perf_counter() - t0
 
 
-def run(plan: CheckPlan, png: bool = False, log=print) -> None:
-    """Run every planned pair (the simulated ones in a child started first) and the bench row,
-    up to the deadline; the plan's pairs carry the results. A dry run runs nothing."""
-    if plan.dry_run:
-        return
-    clock = Deadline(plan.deadline_s)
-    child = start_simulated(plan, log)
+def run_here(plan: CheckPlan, clock: Deadline, png: bool, log) -> None:
+    """This process's pairs in the plan's order, each started only before the deadline."""
     here = plan.here()
     for i, pair in enumerate(here):
         if clock.passed():
@@ -179,7 +174,21 @@ def run(plan: CheckPlan, png: bool = False, log=print) -> None:
         estimate = f", estimated {pair.estimate_s:.0f}s" if pair.estimate_s else ""
         log(f"    {pair.status}: {pair.message} ({pair.seconds:.1f}s{estimate})")
         write(plan)  # a report after every pair: an interrupted check still has one
-    finish_simulated(plan, child, clock, log)
+
+
+def run(plan: CheckPlan, png: bool = False, log=print) -> None:
+    """Run every planned pair (the simulated ones in a child started first) and the bench row,
+    up to the deadline; the plan's pairs carry the results. A dry run runs nothing."""
+    if plan.dry_run:
+        return
+    clock = Deadline(plan.deadline_s)
+    child = start_simulated(plan, log)
+    try:
+        run_here(plan, clock, png, log)
+        finish_simulated(plan, child, clock, log)
+    finally:  # an interrupted check leaves no child behind
+        if child is not None and child.poll() is None:
+            child.kill()
     if plan.bench:
         if clock.passed():
             plan.bench.update(status="NOT RUN", message=clock.why())
