@@ -104,8 +104,8 @@ def full_tensors(named: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
             groups.setdefault((id(t.device_mesh), t.placements, t.dtype), []).append(name)
         else:
             out[name] = full_tensor(t)
-    for names in groups.values():
-        out.update(_gather_dim0_shards({n: named[n] for n in names}))
+    for members in groups.values():
+        out.update(_gather_dim0_shards({n: named[n] for n in members}))
     return {n: out[n] for n in named}
 
 
