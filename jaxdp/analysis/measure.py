@@ -52,10 +52,7 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     check_batchnorm_has_values(net, batch_per_device, image_size)
     options = dict(options or {}, **({"mesh_shape": mesh_shape} if "mesh_shape" in options_of(name) else {}))
     strategy = build_strategy(name, make_mesh(**mesh) if mesh else make_mesh(n), net, optimizer, options)
-    rng = np.random.default_rng(seed)
-    global_batch = batch_per_device * strategy.num_devices
-    batch = {"image": rng.normal(size=(global_batch, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
-             "label": rng.integers(0, net.num_classes, global_batch).astype(np.int32)}
+    batch = random_batch(net, batch_per_device * strategy.num_devices, image_size, seed)
     report = measure(strategy, batch, seed=seed, compile=compile, schedule=schedule)
     report.update(model=model, width=width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
                   optimizer=optimizer, options={k: v for k, v in options.items() if v is not None})
@@ -63,6 +60,13 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
         report.update(fsdp_units=[getattr(u, "__name__", u) for u in strategy.units.classes + strategy.units.patterns],
                       fsdp_unit_count=len(strategy.unit_paths))
     return report
+
+
+def random_batch(net, rows: int, image_size: int, seed: int = 0) -> dict:
+    """``rows`` random images and labels for the classifier ``net``, in its dtype."""
+    rng = np.random.default_rng(seed)
+    return {"image": rng.normal(size=(rows, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
+            "label": rng.integers(0, net.num_classes, rows).astype(np.int32)}
 
 
 def build_strategy(name: str, mesh, net, optimizer: str, options: Optional[dict] = None):

@@ -38,10 +38,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.analysis.hlo import compiled_memory
-from jaxdp.analysis.measure import build_strategy
+from jaxdp.analysis.measure import build_strategy, random_batch
 from jaxdp.analysis.plan import compile_from_shapes, with_total
 from jaxdp.analysis.schedule import COMPUTE, async_overlap, entry_ops
-from jaxdp.analysis.state import strategy_formulas
+from jaxdp.analysis.state import model_state_bytes, strategy_formulas
 from jaxdp.config.flags import comma_ints
 from jaxdp.models import create_model
 from jaxdp.runtime.mesh import make_mesh, simulate_cpu_devices
@@ -72,17 +72,11 @@ def probe(devices: int) -> Optional[str]:
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
 
 
-def host_batch(net, rows: int, image_size: int, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"image": rng.normal(size=(rows, image_size, image_size, 3)).astype(np.dtype(net.dtype)),
-            "label": rng.integers(0, net.num_classes, rows).astype(np.int32)}
-
-
 def step_time(strategy, compiled, net, batch_per_device: int, image_size: int, steps: int) -> float:
     """The median seconds of ``steps`` runs of the ``compiled`` step (after one), fed a fresh state
     and this process's rows of a batch."""
     local = jax.local_device_count() if jax.process_count() > 1 else strategy.num_devices
-    host = host_batch(net, batch_per_device * local, image_size)
+    host = random_batch(net, batch_per_device * local, image_size)
     state = strategy.engine.init(jax.random.key(0), host)
     batch = strategy.engine.shard_batch(host)
     times = []
@@ -103,7 +97,7 @@ def analyse(name: str, n: int, net, *, batch_per_device: int, image_size: int, s
     pairs = async_overlap(ops)
     row = {"strategy": name, "n": n, "backend": jax.default_backend(), "psi": state["psi"],
            "memory": with_total(compiled_memory(compiled)),
-           "formula_state_bytes": sum(state["formula_padded"][k] for k in ("params", "opt", "extra")),
+           "formula_state_bytes": model_state_bytes(state["formula_padded"]),
            "collectives": sorted({o.kind for o in ops if o.kind not in COMPUTE.values()}),
            "async_pairs": len(pairs), "overlapped_pairs": sum(1 for *_, between in pairs if between),
            "overlap_by_kind": {kind: [sum(1 for k, *_ in pairs if k == kind),

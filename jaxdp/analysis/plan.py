@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxdp import registry
 from jaxdp.analysis.hlo import compiled_memory
 from jaxdp.analysis.measure import build_strategy, check_batchnorm_has_values
-from jaxdp.analysis.state import strategy_formulas
+from jaxdp.analysis.state import model_state_bytes, strategy_formulas
 from jaxdp.models import create_model
 from jaxdp.runtime.mesh import MeshDims, make_mesh
 from jaxdp.strategies import conversions, options_of
@@ -129,7 +129,7 @@ def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: flo
     formulas = strategy_formulas(strategy)
     state = formulas["formula_padded"]
     return {"strategy": name, "mesh_shape": mesh_shape, "psi": formulas["psi"],
-            "state_bytes": state["params"] + state["opt"] + state["extra"], "grads_bytes": state["grads"],
+            "state_bytes": model_state_bytes(state), "grads_bytes": state["grads"],
             "memory": compiled[b], "fits": compiled[b]["total"] <= device_memory, **largest,
             "traffic_bytes": formulas["traffic_formula_bytes"] or 0.0}
 

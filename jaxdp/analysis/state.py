@@ -207,6 +207,12 @@ def strategy_traffic_formula(strategy, params, psi, psi_pad, p, mesh_shape, root
     return None if traffic is None else traffic(sizes)
 
 
+def model_state_bytes(formula: dict) -> int:
+    """The model state a device keeps between steps, from a ZeRO table (``formula_bytes``): params,
+    optimizer state and the strategy's extra (the gradients live inside the step)."""
+    return formula["params"] + formula["opt"] + formula["extra"]
+
+
 def strategy_formulas(strategy) -> dict:
     """Everything the formulas say about a built strategy (its ``shapes`` known), from shapes alone:
     Ψ (whole model) and Ψ_local, Ψ_pad, Ψ_root, p, K (from the optimizer itself: its per-parameter
