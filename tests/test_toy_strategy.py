@@ -145,15 +145,16 @@ def test_the_default_hsdp_mesh_is_one_definition():
 
     from jaxdp.runtime.mesh import MeshDims
     from jaxdp.strategies.zero import default_hsdp_shape
-    from torch_commands.gpu_check import plan as gpu_check
+    from torch_commands.gpu_check.plan import TINY, parity_argv as gpu_check_argv
     from torch_ref.strategies import hsdp_mesh_shape, twin
 
     assert MeshDims.hsdp_default(2) == (2, 1) and MeshDims.hsdp_default(8) == (2, 4)
     assert MeshDims.hsdp_default(3) == (1, 3) and MeshDims.hsdp_default(8, hosts=4) == (4, 2)
     for n in range(1, 9):
         host = [SimpleNamespace(process_index=0)] * n
-        assert default_hsdp_shape(host) == hsdp_mesh_shape(None, n) == gpu_check.hsdp_mesh_shape(n) \
-            == MeshDims.hsdp_default(n), n
+        assert default_hsdp_shape(host) == hsdp_mesh_shape(None, n) == MeshDims.hsdp_default(n), n
+        argv = gpu_check_argv("hsdp", "float64", n, "gloo", TINY["simulate"], "out")  # gpu-check's hsdp pairs
+        assert argv[argv.index("--mesh-shape") + 1] == ",".join(map(str, MeshDims.hsdp_default(n))), n
     assert [registry.mesh_shape(n, 4) for n in registry.names()] == [
         (2, 2) if registry.row(n).replicas else None for n in registry.names()]
     assert all(twin(registry.row(n).torch_twin) for n in registry.names() if registry.row(n).torch_twin)  # each is built

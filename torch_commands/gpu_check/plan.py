@@ -130,7 +130,7 @@ class CheckPlan:
         return [p for p in self.pairs if p.where != SIMULATED or self.mode == "simulate"]
 
     def in_child(self) -> List[PairPlan]:
-        return [p for p in self.pairs if p not in self.here()]
+        return [p for p in self.pairs if p.where == SIMULATED and self.mode != "simulate"]
 
     @property
     def estimate_s(self) -> float:
@@ -143,12 +143,6 @@ class CheckPlan:
         return max(main, SIMULATED_STARTUP_S + sum(p.estimate_s for p in child)) if child else main
 
 
-def hsdp_mesh_shape(n: int) -> Tuple[int, int]:
-    """The default (replicas, shards) on one host (``jaxdp.runtime.mesh.MeshDims.hsdp_default``, jaxdp's
-    and torch_ref's): a replicated pair runs what a user gets without --mesh-shape, named in its command."""
-    return MeshDims.hsdp_default(n)
-
-
 def parity_argv(strategy: str, dtype: str, n: int, backend: str, size: dict, out: str) -> List[str]:
     """The ``jaxdp parity`` arguments of one pair at one size (a TINY or REALISTIC entry)."""
     argv = ["--strategy", strategy, "--devices", str(n), "--dtype", dtype, "--backend", backend,
@@ -157,8 +151,8 @@ def parity_argv(strategy: str, dtype: str, n: int, backend: str, size: dict, out
         argv += ["--width", str(size["width"]), "--blocks", size["blocks"]]
     argv += ["--image-size", str(size["image_size"]), "--batch-per-device", str(size["batch_per_device"]),
              "--steps", str(size["steps"]), *size["opt"]]
-    if registry.row(strategy).replicas:
-        argv += ["--mesh-shape", ",".join(map(str, hsdp_mesh_shape(n)))]
+    if registry.row(strategy).replicas:  # what a user gets without --mesh-shape, named in the command
+        argv += ["--mesh-shape", ",".join(map(str, MeshDims.hsdp_default(n)))]
     return argv + ["--out", out]
 
 
