@@ -83,14 +83,13 @@ def bare_key(n: int, lever) -> str:
 
 
 def _row(name: str, n: int, options: dict, lever, cfg: dict, images: np.ndarray, labels: np.ndarray, *,
-         order_jax_first: bool, with_torch: bool, timeout_s: float, deadline: Optional[Deadline] = None) -> dict:
+         order_jax_first: bool, with_torch: bool, timeout_s: float, deadline: Deadline) -> dict:
     """One (N, strategy, options, lever) row: jaxdp and, if asked and the strategy has a twin,
     torch_ref (eager and compiled), in the given order. A side that raises keeps its error in the
     row; one the ``deadline`` does not leave time to start is NOT RUN (``problems``)."""
     row = {"strategy": name, "n": n, "options": options, "lever": lever, "bare_key": bare_key(n, lever),
            "mesh_shape": registry.mesh_shape(name, n), "global_batch": cfg["global_batch"],
            "order": "jaxdp first" if order_jax_first else "torch_ref first", "loadavg_before": list(os.getloadavg())}
-    deadline = deadline or Deadline(None)
 
     def do_jax():
         if deadline.passed():
@@ -164,6 +163,7 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
     started once ``deadline`` has passed (what is left is NOT RUN: ``problems``)."""
     import jax
 
+    deadline = deadline or Deadline(None)
     env = environment()
     available = len(jax.devices())
     ns = [n for n in cfg["n"] if n <= available and cfg["global_batch"] % n == 0]
@@ -196,7 +196,7 @@ def run_bench(cfg: dict, strategies: Sequence[str], *, with_torch: bool = True, 
                 add_mfu(row, fpi, peak)
                 rows.append(row)
                 log(row_line(row))
-    if deadline is not None and deadline.passed():
+    if deadline.passed():
         pipe = {"not_run": deadline.why()}
     else:
         pipe = bench_pipeline(max(ns), cfg["global_batch"], pipeline_images) if ns else None

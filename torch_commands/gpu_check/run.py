@@ -118,7 +118,7 @@ def run_bench_row(plan: CheckPlan) -> None:
     or a side without a step time, fails it."""
     import jax
 
-    from torch_commands.bench.report import markdown, problems_markdown
+    from torch_commands.bench.report import markdown, problems, problems_markdown
     from torch_commands.bench.runner import run_bench
 
     b = plan.bench
@@ -145,13 +145,11 @@ def run_bench_row(plan: CheckPlan) -> None:
                  torch_compile_step_s=(row.get("torch_compile") or {}).get("median_step_s"),
                  ratio_jax_over_best_torch=row.get("ratio_jax_over_best_torch"),
                  device_kind=result["environment"].get("device_kind"), report=os.path.join(out, "bench.json"))
-        errors = [f"{fw}: {r['error'].splitlines()[0][:300]}"
-                  for fw, r in (("jaxdp", j), ("torch_ref", t), ("torch.compile", row.get("torch_compile") or {}))
-                  if r.get("error")]
+        errors = problems(result)["errors"]
         if not rows:
             b.update(status="FAIL", message=f"no row ran (N={plan.n} devices available?)")
         elif errors or not (j.get("median_step_s") and t.get("median_step_s")):
-            b.update(status="FAIL", message="; ".join(errors) or "a side has no step time")
+            b.update(status="FAIL", message="; ".join(e[:300] for e in errors) or "a side has no step time")
         else:
             b.update(status="PASS", message="both sides ran and were timed")
     except Exception as e:
