@@ -53,9 +53,9 @@ class Plan:
 
 
 def cuda_gpus() -> int:
-    import torch
+    from torch_ref.dist import cuda_device_count  # torch when a plan is made, not at import
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cuda_device_count()
 
 
 def plan(cfg: ParityConfig) -> Plan:

@@ -57,7 +57,9 @@ def visible_gpus() -> int:
     torch counts (an image without nvidia-smi); never by starting jax."""
     listed = _nvidia_smi_list()
     if listed is None:
-        return _torch_gpus()
+        from torch_ref.dist import cuda_device_count  # torch: only without nvidia-smi
+
+        return cuda_device_count()
     count = sum(line.startswith("GPU ") for line in listed.splitlines())
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return min(count, len([d for d in visible.split(",") if d.strip()])) if visible is not None else count
@@ -70,14 +72,6 @@ def _nvidia_smi_list() -> Optional[str]:
         return subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-
-
-def _torch_gpus() -> int:
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def jax_off_preallocation() -> None:
