@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from parity_tests.compare import errors, flatten, scale_floors
+
 CATEGORIES = ("loss", "grads", "params", "buffers", "optimizer_state")
 
 # The budget's bound is MARGIN x (e_jax + e_torch) at step 0. e_jax + e_torch already bounds
@@ -95,6 +97,25 @@ MEASURED = [
      "torch": {"float32": {"loss": 6.6e-08, "grads": 2.9e-06, "params": 1.6e-03, "optimizer_state": 5.8e-06},
                "bfloat16": {"loss": 8.8e-04, "grads": 1.5e-02, "params": 2.0e+00, "optimizer_state": 2.6e-02}}},
 ]
+
+
+def side_errors(records: Sequence[Mapping], reference: Sequence[Mapping],
+                scale_floor: float = 0.0) -> List[Dict[str, float]]:
+    """Per step, per category (each rank's loss as the loss): the largest relative error of
+    ``records`` against ``reference``, each tensor's scale at least ``scale_floor`` of its group's
+    largest entry (``compare.scale_floors``; 0: its own largest entry alone)."""
+    out = []
+    for rec, ref in zip(records, reference):
+        a, b = flatten(rec), flatten(ref)
+        floors = scale_floors(b, scale_floor)
+        worst: Dict[str, float] = {}
+        for key, want in b.items():
+            cat = key.split("/", 1)[0]
+            cat = "loss" if cat == "loss_per_rank" else cat
+            if cat in CATEGORIES and key in a:
+                worst[cat] = max(worst.get(cat, 0.0), errors(a[key], want, floors[key])[1])
+        out.append(worst)
+    return out
 
 
 def bounds_from_budget(budget: Mapping, dtype: str, step: int = 0) -> Dict[str, float]:

@@ -30,26 +30,10 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from parity_tests.budgets import CATEGORIES, MARGIN, bounds_from_budget
+from parity_tests.budgets import CATEGORIES, MARGIN, bounds_from_budget, side_errors
 from parity_tests.inputs import cast
 
 LOW_DTYPES = ("float32", "bfloat16")
-
-
-def side_errors(records: Sequence[Mapping], reference: Sequence[Mapping]) -> List[Dict[str, float]]:
-    """Per step, per category: the largest relative error of ``records`` against ``reference``."""
-    from parity_tests.compare import errors, flatten
-
-    out = []
-    for rec, ref in zip(records, reference):
-        a, b = flatten(rec), flatten(ref)
-        worst: Dict[str, float] = {}
-        for key, want in b.items():
-            cat = key.split("/", 1)[0]
-            if cat in CATEGORIES and key in a:
-                worst[cat] = max(worst.get(cat, 0.0), errors(a[key], want)[1])
-        out.append(worst)
-    return out
 
 
 def run_side(side: str, cfg, state_dict, batches) -> List[dict]:

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from parity_tests import budgets, compare, error_budget
-from parity_tests.budgets import MARGIN, MEASURED, bounds_from_budget, rows_for, step0_bounds
+from parity_tests.budgets import MARGIN, MEASURED, bounds_from_budget, rows_for, side_errors, step0_bounds
 from parity_tests.config import ParityConfig
-from parity_tests.error_budget import side_errors
 
 ROW = {"family": "resnet", "model": "m", "image_size": 8,
        "jax": {"float32": {"loss": 1e-7, "grads": 2e-6}}, "torch": {"float32": {"loss": 3e-7, "grads": 1e-6}}}

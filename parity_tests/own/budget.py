@@ -5,7 +5,7 @@ The budget is the run's own configuration at N = 1 (its strategy, ``batch_per_de
 step, its steps and optimizer), run on each side from the same weights and batches, once in
 float64 and once in the low dtype. Per step and category, each side's error is the largest
 relative error of a quantity against its own float64 run (``compare.errors``, with the scale
-floors below). The two float64 runs agree within 1e-10 (checked: else the pair differs in
+floors below; ``budgets.side_errors``). The two float64 runs agree within 1e-10 (checked: else the pair differs in
 its math and no budget is taken), so by the triangle inequality the two sides can differ by
 about ``e_jax + e_torch``; a run's bound per step and category is ``budgets.MARGIN`` x that,
 never below float64's 1e-10. No number is chosen by hand.
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 from parity_tests import compare
-from parity_tests.budgets import CATEGORIES, MARGIN
+from parity_tests.budgets import CATEGORIES, MARGIN, side_errors
 
 FLOOR = compare.FLOAT64.bound("grads", 0)  # nothing is held tighter than float64 is
 # A tensor is measured against its own largest entry, or a thousandth of its group's largest
@@ -61,23 +61,6 @@ class StepBounds(compare.Bounds):
         return {**super().to_json(), "per_step": [dict(b) for b in self.per_step]}
 
 
-def category_errors(records: Sequence[Mapping], reference: Sequence[Mapping]) -> List[Dict[str, float]]:
-    """Per step and category (each rank's loss as the loss): the largest relative error of a quantity
-    against the same side's float64 record, each scale floored as the comparison floors it."""
-    out = []
-    for rec, ref in zip(records, reference):
-        a, b = compare.flatten(rec), compare.flatten(ref)
-        floors = compare.scale_floors(b, SCALE_FLOOR)
-        worst: Dict[str, float] = {}
-        for key, want in b.items():
-            cat = key.split("/", 1)[0]
-            cat = "loss" if cat == "loss_per_rank" else cat
-            if cat in CATEGORIES and key in a:
-                worst[cat] = max(worst.get(cat, 0.0), compare.errors(a[key], want, floors[key])[1])
-        out.append(worst)
-    return out
-
-
 def budget_key(fac, run) -> tuple:
     """What a budget depends on: not the device count, nor where torch runs."""
     skip = {"devices", "mesh_shape", "backend", "timeout_s", "torch_cudnn"}
@@ -104,8 +87,8 @@ def measure(fac, run) -> dict:
         check = compare.compare_runs(reference["jax"], reference["torch"], FLOAT64)
         _MEASURED[key] = {"dtype": run.dtype, "strategy": run.strategy, "devices": 1, "rows": run.batch_per_device,
                           "margin": MARGIN, "floor": FLOOR, "float64": check,
-                          "jax": category_errors(low["jax"], reference["jax"]),
-                          "torch": category_errors(low["torch"], reference["torch"]),
+                          "jax": side_errors(low["jax"], reference["jax"], SCALE_FLOOR),
+                          "torch": side_errors(low["torch"], reference["torch"], SCALE_FLOOR),
                           "seconds": time.perf_counter() - t0}
     return _MEASURED[key]
 
