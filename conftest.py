@@ -142,6 +142,16 @@ def user_env():
     flags or jaxdp settings, so the command compiles and runs as theirs does (their XLA
     optimises; the suite's level-0 build runs a 78-step ResNet-18 twice as slow). Its
     devices stay on the CPU, and its torch side on gloo, as the suite's do."""
+    return user_environment()
+
+
+@pytest.fixture(scope="module")
+def module_user_env():
+    """``user_env`` for a module's fixtures (commands a module runs once for all its tests)."""
+    return user_environment()
+
+
+def user_environment() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in (_USER_SETTINGS, SHARED_CACHE_ENV, "PYTEST_XDIST_WORKER")}
     for name, value in json.loads(os.environ[_USER_SETTINGS]).items():
         env.pop(name, None)

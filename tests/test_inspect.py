@@ -84,11 +84,11 @@ def compiled_reports():
 def test_zero3_collectives_and_traffic(compiled_reports):
     ddp, z3 = compiled_reports["ddp"], compiled_reports["zero3"]
     pbytes = z3["param_bytes"] * z3["psi"]
-    ops = z3["collectives"]["ops"]
+    ops = z3["traffic"]["ops"]
     assert ops["all-gather"]["count"] > 0 and ops["reduce-scatter"]["count"] > 0
     # No gradient all-reduce: what remains is the BN-buffer broadcast and the metrics.
     assert ops["all-reduce"]["output_bytes"] < 0.01 * pbytes
-    assert ddp["collectives"]["ops"]["all-reduce"]["output_bytes"] >= pbytes
+    assert ddp["traffic"]["ops"]["all-reduce"]["output_bytes"] >= pbytes
     # The FSDP units are the 8 blocks; the root unit is the stem (conv 3x3x3x32, BN 2x32) and the fc
     # (256x10 kernel, bias 10 padded to 16), gathered once per step and kept through backward.
     assert z3["fsdp_unit_count"] == 8
@@ -99,17 +99,17 @@ def test_zero3_collectives_and_traffic(compiled_reports):
     # ... and Ψ_pad reduce-scattered (less 1.6e-4: XLA merges the reduce-scatters of two equal gradients,
     # the biases of a downsampling block's bn2 and shortcut BN, both the sum of the block's output grad).
     assert ops["reduce-scatter"]["input_bytes"] == pytest.approx(z3["psi_padded"] * 4, rel=1e-3)
-    ratio = z3["collectives"]["ring_bytes"] / ddp["collectives"]["ring_bytes"]
-    print(f"ring bytes per device: ddp {ddp['collectives']['ring_bytes']:,.0f}, "
-          f"zero3 {z3['collectives']['ring_bytes']:,.0f}, ratio {ratio:.4f}")
+    ratio = z3["traffic"]["ring_bytes"] / ddp["traffic"]["ring_bytes"]
+    print(f"ring bytes per device: ddp {ddp['traffic']['ring_bytes']:,.0f}, "
+          f"zero3 {z3['traffic']['ring_bytes']:,.0f}, ratio {ratio:.4f}")
     assert ratio == pytest.approx(1.5, rel=0.02)
     for r in (ddp, z3):
-        assert r["collectives"]["ring_bytes"] == pytest.approx(r["traffic_formula_bytes"], rel=0.02)
+        assert r["traffic"]["ring_bytes"] == pytest.approx(r["traffic_formula_bytes"], rel=0.02)
 
 
 def test_zero3_compiled_memory_saving(compiled_reports):
     z3 = compiled_reports["zero3"]
-    used = {name: r["memory"]["argument"] + r["memory"]["temp"] for name, r in compiled_reports.items()}
+    used = {name: r["memory"]["argument_bytes"] + r["memory"]["temp_bytes"] for name, r in compiled_reports.items()}
     n, psi, p, k = 8, z3["psi"], z3["param_bytes"], z3["opt_bytes_per_param"]
     theory = (p + p + k) * psi * (1 - 1 / n)
     saving = used["ddp"] - used["zero3"]
@@ -127,7 +127,7 @@ def hsdp_report():
 
 def test_hsdp_reduces_across_replicas_and_gathers_within_groups(hsdp_report):
     r = hsdp_report
-    ops = r["collectives"]["ops"]
+    ops = r["traffic"]["ops"]
     replicas = [[0, 4], [1, 5], [2, 6], [3, 7]]  # mesh (R, S) = (2, 4): device r*4 + s; a replica group is one s
     shard_groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
     cross = [g for g in ops["all-reduce"]["by_groups"] if g["groups"] == replicas]
@@ -138,7 +138,7 @@ def test_hsdp_reduces_across_replicas_and_gathers_within_groups(hsdp_report):
     assert sum(g["output_bytes"] for g in others) < 0.01 * cross[0]["output_bytes"]  # BN buffers, metrics
     for kind in ("all-gather", "reduce-scatter"):
         assert ops[kind]["count"] > 0 and [g["groups"] for g in ops[kind]["by_groups"]] == [shard_groups], kind
-    assert r["collectives"]["ring_bytes"] == pytest.approx(r["traffic_formula_bytes"], rel=0.02)
+    assert r["traffic"]["ring_bytes"] == pytest.approx(r["traffic_formula_bytes"], rel=0.02)
 
 
 class WideMLP(nn.Module):
@@ -167,9 +167,9 @@ def test_measured_traffic_meets_the_formula(wide_mlp, name, options):
     model, batch = wide_mlp
     r = measure(create_strategy(name, model, classifier(model), make_optimizer("adam", 1e-3), make_mesh(8),
                                 **options), batch)
-    measured = r["collectives"]["ring_bytes"]
+    measured = r["traffic"]["ring_bytes"]
     if "compress" in options:  # the step holds both branches; the compressed one runs after start_iter
-        (branches,) = r["collectives"]["conditionals"]
+        (branches,) = r["traffic"]["conditionals"]
         measured -= max(branches) - min(branches)
     print(f"{name} {options}: {measured:,.0f} B measured, {r['traffic_formula_bytes']:,.0f} B formula")
     assert measured == pytest.approx(r["traffic_formula_bytes"], rel=0.02)
@@ -397,7 +397,7 @@ def test_tp_x_ddp_bytes_and_traffic_per_axis_meet_the_formulas(tp_ddp_report):
     assert a["traffic"]["model"]["ring_bytes"] == a["traffic_formula"]["model"] == megatron
     assert a["traffic"]["model"]["ops"] == {"all-reduce": megatron}
     assert a["traffic"]["data"]["ring_bytes"] == pytest.approx(2 * (n - 1) / n * p * local, rel=0.01)
-    assert a["activations"] == r["memory"]["temp"] > 0
+    assert a["activations"] == r["memory"]["temp_bytes"] > 0
 
 
 def test_tp_x_zero3_cuts_each_model_slice_over_data():

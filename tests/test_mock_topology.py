@@ -34,7 +34,7 @@ def test_each_strategy_at_8_devices_is_read_from_its_compiled_step(capsys):
     shapes = jax.eval_shape(net.init, jax.random.key(0), jnp.zeros((2, 8, 8, 3)))["batch_stats"]
     stats = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
     for row in (ddp, zero3):
-        assert row["memory"]["argument"] - row["formula_state_bytes"] - batch - stats == 4, row["strategy"]
+        assert row["memory"]["argument_bytes"] - row["formula_state_bytes"] - batch - stats == 4, row["strategy"]
     assert report["n1_step_s"] > 0
     md = mock.markdown(report)
     assert "| ddp | 0 | 0 |" in md and "no overlap can show on a CPU" in md

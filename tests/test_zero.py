@@ -289,7 +289,7 @@ def compose_units(model, units, train, size=8):
         ran.append(tuple(module.path))
         state = {c: v for c, v in variables.items() if c != "params"}
         gather = functools.partial(jax.tree_util.tree_map, lambda c: c[0])
-        return fsdp_unit(call, gather, variables["params"], state, args, kwargs, mutable)
+        return fsdp_unit(call, gather, variables["params"], state, args, kwargs, mutable)[:2]
 
     def apply(variables, x):
         chunks = jax.tree_util.tree_map_with_path(

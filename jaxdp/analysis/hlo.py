@@ -81,14 +81,16 @@ def _result_text(line: str, op_start: int) -> str:
 
 
 def _top_level(text: str):
-    """Elements of a tuple shape ``(a, (b, c), d)`` at depth 1; the text itself if not a tuple."""
+    """Elements of a tuple shape ``(a, (b, c), d)`` at depth 1; the text itself if not a tuple. Commas
+    inside a shape's dimensions or layout (``f32[8,4]{1,0}``) do not split."""
     text = text.strip()
     if not text.startswith("("):
         return [text]
-    parts, depth, start = [], 0, 1
+    parts, depth, inner, start = [], 0, 0, 1
     for i, ch in enumerate(text):
         depth += (ch == "(") - (ch == ")")
-        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+        inner += (ch in "[{") - (ch in "]}")
+        if (ch == "," and depth == 1 and not inner) or (ch == ")" and depth == 0):
             parts.append(text[start:i])
             start = i + 1
             if depth == 0:
@@ -97,10 +99,11 @@ def _top_level(text: str):
 
 
 def _async_output(kind: str, result: str) -> str:
-    """The output part of an async ``-start`` result: all-gather-start gives (operands, outputs),
-    collective-permute-start (operand, output, contexts); all-reduce-start just the outputs."""
+    """The output part of an async ``-start`` result: all-gather-start and reduce-scatter-start give
+    (operands, outputs), collective-permute-start (operand, output, contexts); all-reduce-start just
+    the outputs."""
     parts = _top_level(result)
-    if kind == "all-gather" and len(parts) == 2:
+    if kind in ("all-gather", "reduce-scatter") and len(parts) == 2:
         return parts[1]
     if kind == "collective-permute" and len(parts) >= 2:
         return parts[1]
@@ -175,6 +178,33 @@ def _op_bytes(kind: str, out: float, g: int):
     }[kind]
 
 
+def collective_instructions(hlo_text: str, num_devices: int) -> list:
+    """Every collective instruction of the module, in text order: ``{"name", "kind", "computation",
+    "runs"`` (times per step), ``"output_bytes", "input_bytes", "ring_bytes"`` (per device, per run),
+    ``"groups"`` (replica groups; a collective-permute: None, and its ``"pairs"``), ``"branch"``
+    (the (conditional, branch index) it runs in, or None)``}``. A ``-start`` is the instruction; its
+    ``-done`` is not listed."""
+    computations, order = _split_computations(hlo_text)
+    runs, branch_of, _, _ = _call_graph(computations, order)
+    found = []
+    for name, c in computations.items():
+        for line in c["lines"]:
+            m = _OP.search(line)
+            if not m or "=" not in line[:m.start()]:
+                continue
+            kind, is_start = m.group(1), m.group(2) is not None
+            result = _result_text(line, m.start())
+            out = _shapes_bytes(_async_output(kind, result) if is_start else result)
+            permute = kind == "collective-permute"
+            groups = None if permute else replica_groups(line, num_devices)
+            inp, ring = _op_bytes(kind, out, max(len(groups[0]) if groups else num_devices, 1))
+            found.append({"name": line.split("=", 1)[0].strip().lstrip("ROOT").strip().lstrip("%"), "kind": kind,
+                          "computation": name, "runs": runs.get(name, 1) or 1, "output_bytes": out,
+                          "input_bytes": inp, "ring_bytes": ring, "groups": groups,
+                          "pairs": permute_pairs(line) if permute else None, "branch": branch_of.get(name)})
+    return found
+
+
 def parse_collectives(hlo_text: str, num_devices: int) -> dict:
     """Count collectives in optimized HLO text; bytes per device, in ring terms (see module docstring).
 
@@ -185,36 +215,22 @@ def parse_collectives(hlo_text: str, num_devices: int) -> dict:
     distinct ``pairs``, its source/target device pairs).
     """
     computations, order = _split_computations(hlo_text)
-    runs, branch_of, branch_counts, unknown = _call_graph(computations, order)
+    _, _, branch_counts, unknown = _call_graph(computations, order)
     ops = {kind: {"count": 0, "input_bytes": 0.0, "output_bytes": 0.0, "ring_bytes": 0.0, "by_groups": []}
            for kind in COLLECTIVES}
     unconditional, branch_ring = 0.0, {cid: [0.0] * n for cid, n in branch_counts.items()}
-    for name, c in computations.items():
-        for line in c["lines"]:
-            m = _OP.search(line)
-            if not m or "=" not in line[:m.start()]:
-                continue
-            kind, is_start = m.group(1), m.group(2) is not None
-            result = _result_text(line, m.start())
-            if is_start:
-                result = _async_output(kind, result)
-            out = _shapes_bytes(result)
-            groups = None if kind == "collective-permute" else replica_groups(line, num_devices)
-            g = max(len(groups[0]) if groups else num_devices, 1)
-            inp, ring = _op_bytes(kind, out, g)
-            k = runs.get(name, 1) or 1
-            entry = ops[kind]
-            entry["count"] += k
-            entry["input_bytes"] += k * inp
-            entry["output_bytes"] += k * out
-            entry["ring_bytes"] += k * ring
-            _add_to_groups(entry["by_groups"], groups, k, out, ring,
-                           permute_pairs(line) if kind == "collective-permute" else None)
-            if name in branch_of:
-                cid, branch = branch_of[name]
-                branch_ring[cid][branch] += k * ring
-            else:
-                unconditional += k * ring
+    for op in collective_instructions(hlo_text, num_devices):
+        k, entry = op["runs"], ops[op["kind"]]
+        entry["count"] += k
+        entry["input_bytes"] += k * op["input_bytes"]
+        entry["output_bytes"] += k * op["output_bytes"]
+        entry["ring_bytes"] += k * op["ring_bytes"]
+        _add_to_groups(entry["by_groups"], op["groups"], k, op["output_bytes"], op["ring_bytes"], op["pairs"])
+        if op["branch"] is not None:
+            cid, branch = op["branch"]
+            branch_ring[cid][branch] += k * op["ring_bytes"]
+        else:
+            unconditional += k * op["ring_bytes"]
     conditionals = [b for b in branch_ring.values() if any(b)]
     return {"ops": ops, "ring_bytes": unconditional + sum(max(b) for b in conditionals),
             "conditionals": conditionals, "unknown_trip_counts": unknown}
@@ -239,4 +255,4 @@ def compiled_memory(compiled) -> dict:
     m = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
-    return {f.replace("_size_in_bytes", ""): int(getattr(m, f, 0) or 0) for f in fields}
+    return {f.replace("_size_in_bytes", "_bytes"): int(getattr(m, f, 0) or 0) for f in fields}

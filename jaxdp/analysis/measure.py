@@ -2,9 +2,14 @@
 memory and collectives per step (``hlo``), as the dict ``jaxdp inspect --json`` prints.
 
 The compiled memory is ``memory_analysis()`` of ``strategy.engine.lower_step(...).compile()``
-(argument, output, alias, temp); the collectives are counted in ``compiled.as_text()`` and,
-as ``ring_bytes_as_written``, in the HLO before XLA's passes, printed where it differs:
-XLA:CPU promotes a bf16 all-reduce to f32.
+(argument, output, alias, temp bytes); the collectives are counted in ``compiled.as_text()``
+(``traffic``: per kind; ``collectives``: each one, with what overlaps it) and, as
+``ring_bytes_as_written``, in the HLO before XLA's passes, printed where it differs: XLA:CPU
+promotes a bf16 all-reduce to f32.
+
+For a GPU target (``target``: ``jaxdp.runtime.target``), the mesh is built over compile-only
+GPUs, the state and the batch are shapes with shardings (nothing is allocated), and the report
+adds the target, the hosts and an estimated step time (``estimate.py``).
 """
 
 import dataclasses
@@ -12,18 +17,21 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp import names
 from jaxdp.analysis.axes import axis_report
+from jaxdp.analysis.estimate import estimate, program_costs
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
-from jaxdp.analysis.schedule import entry_ops
-from jaxdp.analysis.state import kept_grad_bytes, state_bytes, strategy_formulas
+from jaxdp.analysis.schedule import collective_list, entry_ops
+from jaxdp.analysis.state import device_bytes, kept_grad_bytes, state_bytes, strategy_formulas
 from jaxdp.loss.task import classifier
 from jaxdp.models import create_model, fsdp_units
 from jaxdp.models.batchnorm import BatchNorm
 from jaxdp.optim import make_optimizer
 from jaxdp.runtime.mesh import make_mesh
-from jaxdp.strategies import create_strategy, options_of
+from jaxdp.runtime.target import compile_only_devices
+from jaxdp.strategies import conversions, create_strategy, options_of
 
 
 class InspectError(ValueError):
@@ -35,13 +43,14 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
                      dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
                      mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0,
                      mesh: Optional[dict] = None, vit: Optional[dict] = None,
-                     schedule: bool = False) -> dict:
+                     schedule: bool = False, target=None) -> dict:
     """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
     starts), or on the named ``mesh`` (``{"data": 2, "model": 2}``), for a freshly initialised
     model, and ``measure`` it. ``options``: the strategy's own (``allreduce``, ``compress``,
     ``powersgd_rank``, ``staleness``); zero3 and hsdp get the model's FSDP units
     (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``. ``vit``: a ViT's sizes
-    (depth, dim, heads, mlp_dim, patch)."""
+    (depth, dim, heads, mlp_dim, patch). ``target``: a ``jaxdp.runtime.target.Target``: its
+    ``devices`` compile-only GPUs instead of ``n`` devices of this machine."""
     if batch_per_device < 1 or image_size < 1:
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
     if dtype == "float64":
@@ -51,9 +60,11 @@ def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int =
     net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype, **sizes)
     check_batchnorm_has_values(net, batch_per_device, image_size)
     options = dict(options or {}, **({"mesh_shape": mesh_shape} if "mesh_shape" in options_of(name) else {}))
-    strategy = build_strategy(name, make_mesh(**mesh) if mesh else make_mesh(n), net, optimizer, options)
+    devices = compile_only_devices(target) if target is not None else None
+    built = make_mesh(**mesh, devices=devices) if mesh else make_mesh(n, devices=devices)
+    strategy = build_strategy(name, built, net, optimizer, options)
     batch = random_batch(net, batch_per_device * strategy.num_devices, image_size, seed)
-    report = measure(strategy, batch, seed=seed, compile=compile, schedule=schedule)
+    report = measure(strategy, batch, seed=seed, compile=compile, schedule=schedule, target=target)
     report.update(model=model, width=width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
                   optimizer=optimizer, options={k: v for k, v in options.items() if v is not None})
     if "units" in options_of(name):
@@ -106,17 +117,23 @@ def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> N
 
 
 def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compile: bool = True,
-            schedule: bool = False) -> dict:
+            schedule: bool = False, target=None) -> dict:
     """Everything in the module docstring, for a built strategy and a host batch (a pytree of
     global numpy arrays, e.g. ``{"image", "label"}``). The state measured: ``state`` if given
     (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
-    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.engine.init`` (sharded, from ``seed``).
+    for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.engine.init`` (sharded, from ``seed``);
+    for a GPU ``target``, the state's shapes and shardings alone (``conversions.abstract_state``).
     ``schedule``: also the compiled step's collectives and compute in execution order (``schedule.py``)."""
     strategy.learn_structure(batch)
-    if state is None:
-        state = strategy.engine.init(jax.random.key(seed), batch) if variables is None else strategy.engine.init_state(variables)
+    if target is not None:
+        sharded = shapes_on_mesh(strategy, batch)
+        state = conversions.abstract_state(strategy, batch)
+    else:
+        if state is None:
+            state = strategy.engine.init(jax.random.key(seed), batch) if variables is None else \
+                strategy.engine.init_state(variables)
+        sharded = strategy.engine.shard_batch(batch)
     images = np.asarray(jax.tree_util.tree_leaves(batch)[0])
-    sharded = strategy.engine.shard_batch(batch)
     formulas = strategy_formulas(strategy)
     state_formulas = {part: formulas.pop(part) for part in ("formula", "formula_padded")}
     measured = state_bytes(state, strategy, strategy.local_shapes)
@@ -127,20 +144,35 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
         "batch_per_device": int(images.shape[0]) // strategy.num_devices, "image_size": images.shape[-2],
         "state": {"measured": measured, **state_formulas},
     }
+    if target is not None:
+        report.update(target=target.gpu.name, hosts=target.hosts, batch_bytes=device_bytes(sharded))
     devices = strategy.mesh.devices.size  # every device of the mesh, model and stage axes too
     if compile:
-        lowered = strategy.engine.lower_step(state, sharded)
+        traced = strategy.engine.trace_step(state, sharded)
+        lowered = traced.lower()
         compiled = lowered.compile()
+        text = compiled.as_text()
         report["memory"] = compiled_memory(compiled)
-        report["collectives"] = parse_collectives(compiled.as_text(), devices)
+        report["traffic"] = parse_collectives(text, devices)
         # The program as written, before XLA's passes: XLA:CPU promotes a bf16 all-reduce to f32
         # (measured: 2x the bytes for --compress bf16; fp16 stays 2 bytes).
         written = parse_collectives(lowered.compiler_ir("hlo").as_hlo_text(), devices)
         report["ring_bytes_as_written"] = written["ring_bytes"]
+        report["collectives"] = collective_list(text, [d.process_index for d in strategy.mesh.devices.flat])
+        report["backend"] = strategy.mesh.devices.flat[0].platform
+        if target is not None:
+            report.update(estimate(target.gpu, str(np.dtype(strategy.model.dtype)), *program_costs(traced, text),
+                                   report["collectives"]))
         if schedule:
-            report["backend"] = jax.default_backend()
-            report["schedule"] = [dataclasses.asdict(op) for op in entry_ops(compiled.as_text())]
-    report["axes"] = axis_report(strategy, report.get("collectives"), report.get("memory", {}).get("temp"),
+            report["schedule"] = [dataclasses.asdict(op) for op in entry_ops(text)]
+    report["axes"] = axis_report(strategy, report.get("traffic"), report.get("memory", {}).get("temp_bytes"),
                                  report["opt_bytes_per_param"], report["batch_per_device"], report["image_size"],
                                  report["traffic_formula_bytes"], jax.ShapeDtypeStruct(images.shape[1:], images.dtype))
     return report
+
+
+def shapes_on_mesh(strategy, batch):
+    """``batch`` (host arrays) as shapes split over the strategy's batch axes: nothing is placed."""
+    split = NamedSharding(strategy.mesh, P(strategy.batch_axes))
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=split),
+                                  batch)

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxdp.analysis.hlo import compiled_memory
 from jaxdp.analysis.measure import build_strategy, random_batch
 from jaxdp.analysis.plan import compile_from_shapes, with_total
-from jaxdp.analysis.schedule import COMPUTE, async_overlap, entry_ops
+from jaxdp.analysis.schedule import COMPUTE, async_overlap, entry_ops, overlapped
 from jaxdp.analysis.state import model_state_bytes, strategy_formulas
 from jaxdp.config.flags import comma_ints
 from jaxdp.models import create_model
@@ -98,11 +98,11 @@ def analyse(name: str, n: int, net, *, batch_per_device: int, image_size: int, s
     row = {"strategy": name, "n": n, "backend": jax.default_backend(), "psi": state["psi"],
            "memory": with_total(compiled_memory(compiled)),
            "formula_state_bytes": model_state_bytes(state["formula_padded"]),
-           "collectives": sorted({o.kind for o in ops if o.kind not in COMPUTE.values()}),
-           "async_pairs": len(pairs), "overlapped_pairs": sum(1 for *_, between in pairs if between),
-           "overlap_by_kind": {kind: [sum(1 for k, *_ in pairs if k == kind),
-                                      sum(1 for k, _, between in pairs if k == kind and between)]
-                               for kind in sorted({k for k, *_ in pairs})}}
+           "collectives": sorted({o.kind for o in ops if o.kind not in COMPUTE}),
+           "async_pairs": len(pairs), "overlapped_pairs": len(overlapped(pairs)),
+           "overlap_by_kind": {kind: [sum(1 for p in pairs if p.kind == kind),
+                                      sum(1 for p in overlapped(pairs) if p.kind == kind)]
+                               for kind in sorted({p.kind for p in pairs})}}
     try:
         row["step_s"] = step_time(strategy, compiled, net, batch_per_device, image_size, steps)
     except Exception as e:  # memory and schedule still stand: say why there is no time
@@ -148,8 +148,8 @@ def row_line(r: dict) -> str:
         return f"{r['strategy']}: ERROR {r['error']}"
     m = r["memory"]
     return (f"{r['strategy']}: {r['async_pairs']} async collectives, {r['overlapped_pairs']} overlapped; "
-            f"argument {_mib(m['argument'])} MiB (state formula {_mib(r['formula_state_bytes'])}), total "
-            f"{_mib(m['total'])} MiB; step {r.get('step_s', float('nan')):.4f} s")
+            f"argument {_mib(m['argument_bytes'])} MiB (state formula {_mib(r['formula_state_bytes'])}), total "
+            f"{_mib(m['total_bytes'])} MiB; step {r.get('step_s', float('nan')):.4f} s")
 
 
 def markdown(report: dict) -> str:
@@ -166,7 +166,7 @@ def markdown(report: dict) -> str:
             continue
         m = r["memory"]
         lines.append(f"| {r['strategy']} | {r['async_pairs']} | {r['overlapped_pairs']} | "
-                     f"{_mib(r['formula_state_bytes'])} | {_mib(m['argument'])} | {_mib(m['total'])} | "
+                     f"{_mib(r['formula_state_bytes'])} | {_mib(m['argument_bytes'])} | {_mib(m['total_bytes'])} | "
                      f"{r.get('step_s', float('nan')):.4f} | {report.get('n1_step_s') or float('nan'):.4f} |")
     if report.get("backend") == "cpu":
         lines.append("\nXLA:CPU runs every collective synchronously: no overlap can show on a CPU.")

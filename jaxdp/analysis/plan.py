@@ -29,7 +29,9 @@ state is ``abstract_state`` (``ShapeDtypeStruct`` with shardings), the batch lik
 XLA compiles the one per-device SPMD program and nothing is allocated: measured, a
 ResNet-18 of width 1024 (2.8 G params, 45 GB with Adam) at N = 64 plans each strategy in
 about 5 s under 0.7 GB of resident memory. The numbers are XLA:CPU's buffer assignment;
-a GPU's fusions and workspaces differ (an estimate there).
+a GPU's fusions and workspaces differ. With ``target`` (``jaxdp plan --target h100``) the same
+programs are compiled for compile-only GPUs instead (``jaxdp.runtime.target``): XLA:GPU's buffer
+assignment, still without cuDNN's workspace (nothing is autotuned). The plan says which it read.
 
 The candidates are the registry's rows with ``planned`` (``candidates()``). Not planned: ``dp`` (``pmap``'s layout holds one state slot per device on a leading axis,
 which ``abstract_state`` does not build; its memory is ddp's plus device 0's gathered
@@ -49,6 +51,7 @@ from jaxdp.analysis.measure import build_strategy, check_batchnorm_has_values
 from jaxdp.analysis.state import model_state_bytes, strategy_formulas
 from jaxdp.models import create_model
 from jaxdp.runtime.mesh import MeshDims, make_mesh
+from jaxdp.runtime.target import compile_only_devices
 from jaxdp.strategies import conversions, options_of
 
 MAX_BATCH = 1 << 16  # per device: the search stops here (shapes beyond it reach XLA's int32 indexing)
@@ -75,16 +78,21 @@ def meshes(name: str, n: int) -> List[Optional[tuple]]:
     return MeshDims.replica_splits(n)
 
 
-def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 2**30, global_batch_size: int = 256,
-         *, width: int = 64, blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
-         dtype: str = "float32", image_size: int = 32, strategies: Optional[Sequence[str]] = None, staleness: int = 1,
-         verify: bool = True) -> dict:
+def plan(model: str = "resnet18", devices: int = 8, device_memory: Optional[float] = None,
+         global_batch_size: int = 256, *, width: int = 64, blocks: Optional[Sequence[int]] = None, stem: str = "cifar",
+         optimizer: str = "sgd", dtype: str = "float32", image_size: int = 32,
+         strategies: Optional[Sequence[str]] = None, staleness: int = 1, verify: bool = True, target=None) -> dict:
     """The plan as a dict: the inputs, one row per (strategy, mesh) and the recommended row's index.
-    ``strategies``: a subset of ``candidates()`` (None: all of them)."""
+    ``strategies``: a subset of ``candidates()`` (None: all of them). ``target``: a GPU target
+    (``jaxdp.runtime.target.Target`` of ``devices`` GPUs in all): every program is compiled for it,
+    and ``device_memory`` defaults to its memory (else 80 GiB)."""
     n = devices
     if n < 1 or global_batch_size % n:
         raise PlanError(f"--global-batch-size {global_batch_size} must split evenly over --devices {n}")
-    if len(jax.devices()) < n:
+    pool = compile_only_devices(target) if target is not None else None
+    if device_memory is None:
+        device_memory = target.gpu.memory_bytes if target is not None else 80 * 2**30
+    if pool is None and len(jax.devices()) < n:
         raise PlanError(f"jax sees {len(jax.devices())} devices, the plan needs {n}: run `jaxdp plan --devices {n}` "
                         "(it simulates them), and leave --xla_force_host_platform_device_count out of XLA_FLAGS")
     planned = candidates()
@@ -98,9 +106,12 @@ def plan(model: str = "resnet18", devices: int = 8, device_memory: float = 80 * 
     net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
     check_batchnorm_has_values(net, b, image_size)
     rows = [plan_strategy(name, mesh_shape, net, n, b, device_memory, optimizer=optimizer, image_size=image_size,
-                          staleness=staleness, verify=verify)
+                          staleness=staleness, verify=verify, devices=pool)
             for name in planned if name in strategies for mesh_shape in meshes(name, n)]
+    compiled_for = (f"{target.describe()}: compile-only GPUs, XLA:GPU's buffer assignment" if target is not None
+                    else f"{n} simulated CPU devices: XLA:CPU's buffer assignment")
     return {"model": model, "width": width, "blocks": list(getattr(net, "stage_sizes", ())), "dtype": dtype,
+            "compiled_for": compiled_for, "target": target.gpu.name if target is not None else None,
             "optimizer": optimizer, "image_size": image_size, "devices": n, "device_memory": device_memory,
             "global_batch_size": global_batch_size, "batch_per_device": b, "psi": rows[0]["psi"] if rows else None,
             "rows": rows, "recommended": recommend(rows), "rule": rule()}
@@ -113,24 +124,25 @@ def recommend(rows: List[dict]) -> Optional[int]:
 
 
 def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: float, *, optimizer: str,
-                  image_size: int, staleness: int, verify: bool) -> dict:
-    """One row of the plan: formulas, the compiled memory at b, the largest batch that fits."""
+                  image_size: int, staleness: int, verify: bool, devices=None) -> dict:
+    """One row of the plan: formulas, the compiled memory at b, the largest batch that fits.
+    ``devices``: a GPU target's compile-only devices (None: this machine's)."""
     takes = options_of(name)
     options = {k: v for k, v in (("mesh_shape", mesh_shape), ("staleness", staleness)) if k in takes}
-    strategy = build_strategy(name, make_mesh(n), net, optimizer, options)
+    strategy = build_strategy(name, make_mesh(n, devices=devices), net, optimizer, options)
     compiled = {}
 
     def total(batch: int) -> int:
         if batch not in compiled:
             compiled[batch] = step_memory(strategy, batch, image_size)
-        return compiled[batch]["total"]
+        return compiled[batch]["total_bytes"]
 
     largest = largest_batch(total, b, device_memory, verify)  # compiles at b first: sets strategy.shapes
     formulas = strategy_formulas(strategy)
     state = formulas["formula_padded"]
     return {"strategy": name, "mesh_shape": mesh_shape, "psi": formulas["psi"],
             "state_bytes": model_state_bytes(state), "grads_bytes": state["grads"],
-            "memory": compiled[b], "fits": compiled[b]["total"] <= device_memory, **largest,
+            "memory": compiled[b], "fits": compiled[b]["total_bytes"] <= device_memory, **largest,
             "traffic_bytes": formulas["traffic_formula_bytes"] or 0.0}
 
 
@@ -151,7 +163,8 @@ def compile_from_shapes(strategy, batch_per_device: int, image_size: int):
 
 def with_total(memory: dict) -> dict:
     """``memory`` plus ``total`` = argument + output - alias + temp: the donated state counted once."""
-    return dict(memory, total=memory["argument"] + memory["output"] - memory["alias"] + memory["temp"])
+    return dict(memory, total_bytes=memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+                + memory["temp_bytes"])
 
 
 def largest_batch(total: Callable[[int], int], b: int, capacity: float, verify: bool = True) -> dict:

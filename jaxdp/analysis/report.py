@@ -54,10 +54,14 @@ def format_report(r: dict) -> str:
     if "memory" in r:
         m = r["memory"]
         lines += ["", "compiled step, bytes per device: " + ", ".join(
-            f"{k} {_mb(v)}" for k, v in m.items() if k != "generated_code")
-            + f"; argument+temp {_mb(m['argument'] + m['temp'])}"]
-    if "collectives" in r:
+            f"{k.replace('_bytes', '')} {_mb(v)}" for k, v in m.items() if k != "generated_code_bytes")
+            + f"; argument+temp {_mb(m['argument_bytes'] + m['temp_bytes'])}"]
+    if "traffic" in r:
         lines += [""] + _format_collectives(r)
+    if r.get("collectives"):
+        lines += [""] + format_overlap(r)
+    if "target" in r:
+        lines += [""] + _format_estimate(r)
     if _model_parallel(r):
         lines += [""] + _format_axes(r)
     return "\n".join(lines)
@@ -112,7 +116,7 @@ def _state_labels(a: dict) -> list:
 
 
 def _format_collectives(r: dict) -> list:
-    c = r["collectives"]
+    c = r["traffic"]
     lines = [f"{'collectives / step':<20}{'count':>7}{'input B / device':>18}{'output B / device':>19}"
              f"{'ring B / device':>18}  groups"]
     for kind, o in c["ops"].items():
@@ -140,9 +144,45 @@ def _format_collectives(r: dict) -> list:
     return lines
 
 
+def format_overlap(r: dict) -> list:
+    """Per kind of collective: how many run asynchronously, and how many of those have compute (any
+    kernel; a convolution or matmul) scheduled between their halves; bytes per device by link."""
+    lines = [f"{'overlap':<20}{'count':>7}{'async':>7}{'+compute':>10}{'+matmul':>9}{'MiB NVLink':>12}"
+             f"{'MiB network':>13}"]
+    for kind in sorted({c["kind"] for c in r["collectives"]}):
+        ops = [c for c in r["collectives"] if c["kind"] == kind]
+        link = {across: sum(c["runs"] * c["ring_bytes"] for c in ops if c["across_hosts"] == across) / 2**20
+                for across in (False, True)}
+        lines.append(f"{kind:<20}{sum(c['runs'] for c in ops):>7}{sum(c['async'] for c in ops):>7}"
+                     f"{sum(c['async'] and c['compute_between'] > 0 for c in ops):>10}"
+                     f"{sum(c['async'] and c['matmul_between'] > 0 for c in ops):>9}{link[False]:>12.2f}{link[True]:>13.2f}")
+    if r.get("backend") == "cpu":
+        lines.append("(XLA:CPU runs every collective synchronously: no overlap to see here; compile for a GPU "
+                     "with --target h100)")
+    return lines
+
+
+def _format_estimate(r: dict) -> list:
+    from jaxdp.analysis.estimate import against_measurement
+
+    ms = 1e3
+    lines = [f"compiled for {r['devices']} {r['target'].upper()} on {r['hosts']} host(s), without a GPU "
+             f"(jaxdp.runtime.target); memory above is XLA's GPU buffer assignment (no cuDNN workspace)",
+             f"ESTIMATED step time (a roofline from the target's published peaks, not a measurement): "
+             f"{r['estimated_step_s'] * ms:.3f} ms = max(compute {r['compute_s'] * ms:.3f}, memory "
+             f"{r['memory_s'] * ms:.3f}) + exposed communication {r['exposed_communication_s'] * ms:.3f} "
+             f"(of {r['communication_s'] * ms:.3f} ms); {r['flops'] / 1e9:,.1f} GFLOP, "
+             f"{r['bytes_accessed'] / 2**20:,.1f} MiB accessed per device"]
+    measured = against_measurement(r)
+    if measured:
+        lines.append(f"measured on an H200 (DESIGN.md section 10): {measured['measured_step_s'] * ms:.2f} ms; "
+                     f"estimate / measured = {measured['estimate_over_measured']:.2f}")
+    return lines
+
+
 def _steady_ring_bytes(r: dict) -> float:
     """Ring bytes of the step that runs in steady state: PowerSGD's compressed branch (the smaller)."""
-    c = r["collectives"]
+    c = r["traffic"]
     if r.get("options", {}).get("compress") != "powersgd":
         return c["ring_bytes"]
     return c["ring_bytes"] - sum(max(b) - min(b) for b in c.get("conditionals", []))

@@ -2,43 +2,71 @@
 
 A compiled module is scheduled (``HloModule ..., is_scheduled=true``): its entry computation
 lists the instructions in execution order. ``entry_ops`` reads that list and keeps the
-collectives and the convolutions and matmuls (HLO ``convolution``/``dot``, and by the JAX
-primitive in an instruction's metadata, so a GPU's cuDNN/cuBLAS custom-calls and fusions
-count too), each with its phase
-(``forward``: under ``jvp``; ``backward``: under ``transpose``) and the module path it
-belongs to. ``format_schedule`` prints it, runs of alike ops folded into one line;
-``jaxdp inspect --schedule`` shows it for a strategy.
+collectives and every kernel, each with its phase (``forward``: under ``jvp``; ``backward``:
+under ``transpose``) and the module path it belongs to. Kernels are of two kinds:
 
-Overlap needs asynchronous collectives: a ``-start`` / ``-done`` pair (``all-reduce-start``
-... ``all-reduce-done``, or ``async-start`` wrapping one) with compute scheduled between the
-two halves. XLA:CPU emits none: every collective is one synchronous instruction, so on CPU
-the schedule shows issue order and data dependences, never overlap (``async_overlap``).
+- ``matmul``: a convolution or matrix product, however the backend wrote it: HLO
+  ``convolution``/``dot``, a fusion whose computation holds one (XLA:CPU's output fusions,
+  Triton GEMM fusions on a GPU, the weight-gradient products JAX writes as ``transpose``),
+  and the cuDNN/cuBLAS/cuBLASLt custom calls a GPU hands them to;
+- ``kernel``: any other fusion or kernel (elementwise, reductions, copies); bookkeeping
+  (parameters, tuples, bitcasts, ...) is not a kernel.
+
+Overlap needs asynchronous collectives: a ``-start`` / ``-done`` pair (``all-gather-start`` ...
+``all-gather-done``, or ``async-start`` wrapping one) with kernels scheduled between the two
+halves. Each done names its own start as its operand, so ``async_overlap`` pairs them by
+operand, never by order. XLA:GPU turns a pair with nothing between its halves into a
+synchronous one (``"is_sync":true`` in its backend config): such a pair is not asynchronous.
+XLA:CPU emits no pairs at all: every collective is one synchronous instruction, so on CPU the
+schedule shows issue order and data dependences, never overlap.
 
 Text in, facts out: nothing here imports jax.
 """
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from jaxdp.analysis.hlo import COLLECTIVES, _shapes_bytes
+from jaxdp.analysis.hlo import COLLECTIVES, _shapes_bytes, _split_computations, collective_instructions
 
-COMPUTE = {"conv_general_dilated": "conv", "dot_general": "dot"}
+MATMUL, KERNEL = "matmul", "kernel"
+COMPUTE = (MATMUL, KERNEL)
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]*)"')
 _WRAPPER = re.compile(r"^(jit|pjit|jvp|transpose|checkpoint|remat|custom_vjp_call|custom_jvp_call|vmap)\(|"
                       r"^(shard_map|while|body|cond|[\w]*_?call)$")
+# cuDNN convolutions and fused attention, cuBLAS/cuBLASLt GEMMs, cuDNN GEMM fusions, Triton GEMMs.
+_MATMUL_TARGETS = re.compile(r"__cudnn\$conv|__cudnn\$fmha|__cublas|__cudnn\$fusion|__triton_(nested_)?gemm")
+_MATMUL_OPS = ("convolution", "dot")
+# Instructions that launch nothing: they name, reshape or pass buffers.
+_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "partition-id", "replica-id",
+                "after-all", "opt-barrier", "add-dependency", "copy-start", "copy-done", "domain"}
 
 
 @dataclass(frozen=True)
 class Op:
     position: int  # index in the entry computation's schedule
     name: str  # the HLO instruction's name
-    kind: str  # "all-gather", "all-reduce", ..., "conv" or "dot"
+    kind: str  # "all-gather", "all-reduce", ..., "matmul" or "kernel"
     stage: Optional[str]  # "start" / "done": a half of an asynchronous collective; None: synchronous
     phase: str  # "forward", "backward" or "other" (the optimizer update, the metrics)
     scope: str  # module path from the metadata, e.g. "layer3/0/conv1" ("" at the top)
     bytes: float  # result bytes
+    start: Optional[str] = None  # a done half: the start it completes (its operand)
+    sync: bool = False  # a start that XLA runs synchronously (``is_sync``): nothing can overlap it
+
+
+class Overlap(NamedTuple):
+    """One asynchronous collective: what is scheduled between its start and its own done."""
+
+    kind: str
+    start: str  # the start's instruction name
+    kernels: int  # any kernel, matmuls included
+    matmuls: int  # convolutions and matrix products
+    sync: bool  # XLA runs it synchronously (is_sync): the pair overlaps nothing
 
 
 def _operands(rest: str) -> Tuple[str, ...]:
@@ -57,46 +85,99 @@ def _phase_and_scope(op_name: str) -> Tuple[str, str]:
     return phase, "/".join(parts)
 
 
-def _kind(op: str, name: str, op_name: str):
-    """(kind, stage) of a collective or a compute op; None for anything else."""
+def _holds_matmul(computations: dict, name: str, seen: Optional[set] = None) -> bool:
+    """Whether computation ``name`` (or one it calls) holds a convolution, a dot or a GEMM custom call."""
+    seen = set() if seen is None else seen
+    if name in seen or name not in computations:
+        return False
+    seen.add(name)
+    for line in computations[name]["lines"]:
+        m = _INSTRUCTION.match(line)
+        if m and (m.group(3) in _MATMUL_OPS or _MATMUL_TARGETS.search(line)):
+            return True
+        if any(_holds_matmul(computations, c, seen) for c in _CALLS.findall(line)):
+            return True
+    return False
+
+
+def _kind(op: str, name: str, line: str, computations: dict):
+    """(kind, stage) of a collective or a kernel; None for bookkeeping."""
     for c in COLLECTIVES:
         if op == c:
             return c, None
         if op in (f"{c}-start", f"{c}-done"):
             return c, op.rsplit("-", 1)[1]
     if op in ("async-start", "async-done"):  # e.g. a reduce-scatter wrapped by XLA:GPU
-        wrapped = next((c for c in COLLECTIVES if name.startswith(c)), "async")
+        wrapped = next((c for c in COLLECTIVES if name.startswith(c)), None)
+        if wrapped is None:
+            called = _CALLS.search(line)
+            body = "\n".join(computations.get(called.group(1), {}).get("lines", ())) if called else ""
+            wrapped = next((c for c in COLLECTIVES if re.search(rf"\s{c}\(", body)), "async")
         return wrapped, op.split("-", 1)[1]
-    if op in ("convolution", "dot"):  # XLA's own rewrites may carry no metadata
-        return ("conv" if op == "convolution" else "dot"), None
-    primitive = op_name.rsplit("/", 1)[-1]
-    return (COMPUTE[primitive], None) if primitive in COMPUTE and op != "parameter" else None
+    if op in _NOT_KERNELS:
+        return None
+    if op in _MATMUL_OPS or (op == "custom-call" and _MATMUL_TARGETS.search(_TARGET.search(line).group(1)
+                                                                              if _TARGET.search(line) else "")):
+        return MATMUL, None
+    if op == "fusion":
+        kind = _FUSION_KIND.search(line)
+        called = _CALLS.search(line)
+        if (kind and _MATMUL_TARGETS.search(kind.group(1))) or (called and _holds_matmul(computations,
+                                                                                         called.group(1))):
+            return MATMUL, None
+    return KERNEL, None
 
 
 def entry_graph(hlo: str) -> Tuple[List[Op], Dict[str, Tuple[str, ...]]]:
-    """(the entry computation's collectives and compute ops in schedule order, every entry
+    """(the entry computation's collectives and kernels in schedule order, every entry
     instruction's operands by name) of a compiled module's text."""
-    ops, operands, inside = [], {}, False
-    for line in hlo.splitlines():
-        if line.startswith("ENTRY"):
-            inside = True
-            continue
-        if inside and line.startswith("}"):
-            break
-        m = _INSTRUCTION.match(line) if inside else None
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
+    computations, order = _split_computations(hlo)
+    return computation_graph(computations, _entry(computations, order))
+
+
+def computation_graph(computations: dict, computation: Optional[str]) -> Tuple[List[Op], Dict[str, Tuple[str, ...]]]:
+    """``entry_graph`` of any computation (``hlo._split_computations``' dict), e.g. a while loop's body."""
+    ops, operands = [], {}
+    by_name: Dict[str, Op] = {}
+    for name, shape, op, rest, line in _instructions(computations, computation):
         operands[name] = _operands(rest)
+        kind = _kind(op, name, line, computations)
+        if not kind:
+            continue
         op_name = (_OP_NAME.search(line) or [None, ""])[1]
-        kind = _kind(op, name, op_name)
-        if kind:
-            phase, scope = _phase_and_scope(op_name)
-            start = next((o for o in ops if o.name in operands[name]), None) if kind[1] == "done" else None
-            if start is not None and not op_name:  # a done half without metadata: its start's
-                phase, scope = start.phase, start.scope
-            ops.append(Op(len(operands) - 1, name, kind[0], kind[1], phase, scope, _shapes_bytes(shape)))
+        phase, scope = _phase_and_scope(op_name)
+        start = operands[name][0] if kind[1] == "done" and operands[name] else None
+        if start in by_name and not op_name:  # a done half without metadata: its start's
+            phase, scope = by_name[start].phase, by_name[start].scope
+        sync = kind[1] == "start" and '"is_sync":true' in line
+        entry_op = Op(len(operands) - 1, name, kind[0], kind[1], phase, scope, _shapes_bytes(shape), start, sync)
+        by_name[name] = entry_op
+        ops.append(entry_op)
     return ops, operands
+
+
+def bytes_accessed(hlo: str) -> float:
+    """Bytes every kernel of the entry computation reads and writes (its operands' and its result's
+    sizes, as XLA's cost analysis counts them), once each: HBM traffic per step, ignoring caches."""
+    computations, order = _split_computations(hlo)
+    sizes, total = {}, 0.0
+    for name, shape, op, rest, line in _instructions(computations, _entry(computations, order)):
+        sizes[name] = _shapes_bytes(shape)
+        if _kind(op, name, line, computations) in ((MATMUL, None), (KERNEL, None)):
+            total += sizes[name] + sum(sizes.get(o, 0.0) for o in _operands(rest))
+    return total
+
+
+def _entry(computations: dict, order: List[str]) -> Optional[str]:
+    return next((n for n in order if computations[n]["entry"]), None)
+
+
+def _instructions(computations: dict, computation: Optional[str]):
+    """(name, result shape, opcode, the text after the opcode's parenthesis, the line) of each instruction."""
+    for line in computations[computation]["lines"] if computation else ():
+        m = _INSTRUCTION.match(line)
+        if m:
+            yield (*m.groups(), line)
 
 
 def entry_ops(hlo: str) -> List[Op]:
@@ -117,16 +198,51 @@ def depends_on(operands: Dict[str, Tuple[str, ...]], a: str, b: str) -> bool:
     return False
 
 
-def async_overlap(ops: List[Op]) -> List[Tuple[str, str, int]]:
-    """Each asynchronous collective as (kind, start's name, compute ops scheduled between its
-    start and the next done of that kind). Empty where the backend runs collectives synchronously."""
+def async_overlap(ops: List[Op]) -> List[Overlap]:
+    """Each start/done pair (paired by operand), with the kernels and matmuls scheduled between
+    its halves. Empty where the backend runs collectives synchronously (XLA:CPU)."""
+    done_at = {o.start: i for i, o in enumerate(ops) if o.stage == "done" and o.start}
     out = []
     for i, op in enumerate(ops):
         if op.stage != "start":
             continue
-        done = next((j for j in range(i + 1, len(ops)) if ops[j].kind == op.kind and ops[j].stage == "done"), len(ops))
-        out.append((op.kind, op.name, sum(o.kind in COMPUTE.values() for o in ops[i + 1:done])))
+        between = ops[i + 1:done_at.get(op.name, len(ops))]
+        out.append(Overlap(op.kind, op.name, sum(o.kind in COMPUTE for o in between),
+                           sum(o.kind == MATMUL for o in between), op.sync))
     return out
+
+
+def collective_list(hlo: str, hosts: List[int]) -> List[dict]:
+    """Every collective of a compiled module, one dict each: ``kind``; ``bytes`` (the whole buffer per
+    device: an all-gather's output, a reduce-scatter's input, an all-reduce's buffer) and
+    ``ring_bytes`` (what each device sends, ``hlo``'s ring terms); ``groups`` (the HLO's replica groups,
+    global device ids; a collective-permute: its source/target pairs); ``across_hosts`` (a group spans
+    processes: over the network, not NVLink); ``runs`` (times per step); ``async`` (a start/done pair
+    XLA runs asynchronously) and, for those, ``compute_between`` (kernels scheduled between its halves)
+    and ``matmul_between`` (of them, convolutions and matrix products). ``hosts``: the process of
+    each global device id (the mesh's devices in row-major order)."""
+    computations, _ = _split_computations(hlo)
+    overlap: Dict[str, Overlap] = {}
+    instructions = collective_instructions(hlo, len(hosts))
+    for name in {i["computation"] for i in instructions}:
+        overlap.update((o.start, o) for o in async_overlap(computation_graph(computations, name)[0]))
+    out = []
+    for i in instructions:
+        o = overlap.get(i["name"])
+        groups = i["groups"] if i["groups"] is not None else i["pairs"]
+        asynchronous = o is not None and not o.sync
+        out.append({"name": i["name"], "kind": i["kind"], "bytes": max(i["input_bytes"], i["output_bytes"]),
+                    "ring_bytes": i["ring_bytes"], "runs": i["runs"], "groups": groups,
+                    "across_hosts": any(len({hosts[d] for d in g}) > 1 for g in groups),
+                    "async": asynchronous, "compute_between": o.kernels if asynchronous else 0,
+                    "matmul_between": o.matmuls if asynchronous else 0})
+    return out
+
+
+def overlapped(pairs: List[Overlap], matmul: bool = True) -> List[Overlap]:
+    """The pairs that hide behind compute: asynchronous, with a matmul (or, ``matmul=False``, any
+    kernel) between their halves."""
+    return [p for p in pairs if not p.sync and (p.matmuls if matmul else p.kernels)]
 
 
 def _unit(scope: str, depth: int = 2) -> str:
@@ -134,7 +250,8 @@ def _unit(scope: str, depth: int = 2) -> str:
 
 
 def format_schedule(ops: List[Op], backend: str = "") -> str:
-    """One line per run of alike ops (kind, async half, phase, first two levels of the module path)."""
+    """One line per run of alike collectives and matmuls (kind, async half, phase, first two levels
+    of the module path); other kernels are counted in the overlap line, not listed."""
     lines = [f"{'#':>5}  {'op':<26} {'phase':<9} {'where':<14} {'KiB':>9}"]
     run: List[Op] = []
 
@@ -147,6 +264,8 @@ def format_schedule(ops: List[Op], backend: str = "") -> str:
             run.clear()
 
     for op in ops:
+        if op.kind == KERNEL:
+            continue
         if run and (op.kind, op.stage, op.phase, _unit(op.scope)) != (run[0].kind, run[0].stage, run[0].phase,
                                                                     _unit(run[0].scope)):
             flush()
@@ -154,9 +273,9 @@ def format_schedule(ops: List[Op], backend: str = "") -> str:
     flush()
     pairs = async_overlap(ops)
     if pairs:
-        hidden = sum(1 for *_, between in pairs if between)
-        lines.append(f"async collectives: {len(pairs)} start/done pairs, {hidden} with compute scheduled between "
-                     f"their halves (overlap)")
+        lines.append(f"async collectives: {len(pairs)} start/done pairs, {len(pairs) - len(overlapped(pairs, False))}"
+                     f" with nothing between their halves (synchronous), {len(overlapped(pairs))} with a matmul "
+                     f"between them (overlap)")
     else:
         kinds = sorted({o.kind for o in ops if o.kind in COLLECTIVES})
         lines.append(f"async collectives: none; every collective is one synchronous instruction "

@@ -91,8 +91,15 @@ def root_params(strategy, params):
 
 
 def device_bytes(tree) -> int:
-    """Bytes of ``tree`` on the first device that holds each array."""
-    return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree)))
+    """Bytes of ``tree`` on the first device that holds each array (shapes with a sharding: what a
+    device would hold)."""
+    return int(sum(_shard_bytes(x) for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _shard_bytes(x) -> int:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return x.addressable_shards[0].data.nbytes
 
 
 def state_bytes(state, strategy, params) -> dict:

@@ -16,6 +16,7 @@ from jaxdp.config.flags import VIT_SIZES, add_arguments, add_mesh_flag, add_vit_
 from jaxdp.config.step import StrategyOptions, options_where
 from jaxdp.names import ChoiceError
 from jaxdp.runtime.mesh import MeshError, mesh_sizes, simulate_cpu_devices
+from jaxdp.runtime.target import GPUS, Target, TargetError
 
 DEFAULT_DEVICES = 8
 FLAGS = options_where(inspect=True)  # the strategy options whose fields say inspect takes them
@@ -23,7 +24,9 @@ STRATEGY_OPTIONS = tuple(n for n in FLAGS if n != "mesh_shape")  # passed on; me
 
 def add_inspect_args(p) -> None:
     p.add_argument("--strategy", default="zero3", metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
-    p.add_argument("--devices", type=int, default=None, help=f"devices (simulated on CPU; default {DEFAULT_DEVICES})")
+    p.add_argument("--devices", type=int, default=None,
+                   help=f"devices (simulated on CPU; default {DEFAULT_DEVICES}); with --target, GPUs per host")
+    add_target_flags(p)
     add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
                           "axis")
     # The strategy options train and parity take (their one declaration, StrategyOptions); None: the strategy's default.
@@ -50,9 +53,29 @@ def add_model_args(p) -> None:
     p.add_argument("--image-size", type=int, default=32, help="square input images of this side")
 
 
-def _mesh_and_devices(args):
+def add_target_flags(p) -> None:
+    """``--target``/``--hosts``: compile for GPUs that are not there (``jaxdp.runtime.target``)."""
+    p.add_argument("--target", default=None, metavar="|".join(GPUS),
+                   help="compile for this GPU, without one (compile-only devices: jaxdp.runtime.target); "
+                        "--devices is then GPUs per host")
+    p.add_argument("--hosts", type=int, default=None, help="with --target: hosts of --devices GPUs each (default 1)")
+
+
+def target_of(args):
+    """The ``Target`` that ``--target``/``--devices``/``--hosts`` name, or None; TargetError for a bad one."""
+    if args.target is None:
+        if args.hosts is not None:
+            raise TargetError("--hosts needs --target (it counts hosts of compile-only GPUs)")
+        return None
+    return Target.parse(args.target, args.devices, args.hosts)
+
+
+def _mesh_and_devices(args, target=None):
     """(named mesh sizes or None, device count): ``--mesh`` or ``--devices`` (default 8), simulated
-    on CPU before jax starts."""
+    on CPU before jax starts; with a ``target``, its compile-only GPUs (``--mesh`` must hold them all)."""
+    if target is not None:
+        mesh = mesh_sizes(args.mesh, target.devices) if args.mesh else None
+        return mesh, target.devices
     mesh = mesh_sizes(args.mesh, args.devices) if args.mesh else None
     devices = math.prod(mesh.values()) if mesh else args.devices or DEFAULT_DEVICES
     simulate_cpu_devices(devices)  # a no-op once jax runs or XLA_FLAGS fixes the count
@@ -60,7 +83,13 @@ def _mesh_and_devices(args):
 
 
 def run(args) -> int:
-    from jaxdp.analysis.measure import InspectError, inspect_strategy
+    try:
+        target = target_of(args)
+        mesh, devices = _mesh_and_devices(args, target)
+    except (TargetError, MeshError) as e:
+        print(f"jaxdp: error: {e}", file=sys.stderr)
+        return 2
+    from jaxdp.analysis.measure import InspectError, inspect_strategy  # jax starts here, after the flags
     from jaxdp.analysis.report import format_report
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
@@ -68,14 +97,13 @@ def run(args) -> int:
     options = {k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None}
     vit = {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None}
     try:
-        mesh, devices = _mesh_and_devices(args)
         report = inspect_strategy(
             args.strategy, devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
             optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
             image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
-            mesh=mesh, vit=vit, schedule=args.schedule,
+            mesh=mesh, vit=vit, schedule=args.schedule, target=target,
         )
-    except (InspectError, StrategyError, MeshError, ModelError, ChoiceError) as e:  # e.g. --compress on zero2/3: one line
+    except (InspectError, StrategyError, MeshError, ModelError, ChoiceError, TargetError) as e:  # one line
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))

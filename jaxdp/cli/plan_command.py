@@ -13,7 +13,8 @@ import re
 
 from jaxdp import registry
 from jaxdp.cli.commands import Command, CommandError
-from jaxdp.cli.inspect_command import add_model_args
+from jaxdp.cli.inspect_command import add_model_args, add_target_flags, target_of
+from jaxdp.runtime.target import Target, TargetError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -28,8 +29,11 @@ def memory_size(text: str) -> float:
 
 
 def add_plan_args(p) -> None:
-    p.add_argument("--devices", type=int, default=8, help="devices N (compiled for N simulated CPU devices)")
-    p.add_argument("--device-memory", type=memory_size, default=80 * 2**30, help="memory per device, e.g. 80GiB")
+    p.add_argument("--devices", type=int, default=8,
+                   help="devices N in all (compiled for N simulated CPU devices, or N GPUs of --target)")
+    p.add_argument("--device-memory", type=memory_size, default=None,
+                   help="memory per device, e.g. 80GiB (default: the --target's, else 80GiB)")
+    add_target_flags(p)
     p.add_argument("--global-batch-size", type=int, default=256, help="images per step over all devices")
     add_model_args(p)
     p.add_argument("--strategies", type=lambda text: tuple(text.split(",")), default=None,
@@ -41,7 +45,8 @@ def add_plan_args(p) -> None:
 
 
 def run(args) -> int:
-    os.environ["JAX_PLATFORMS"] = "cpu"  # the N devices are simulated CPU devices, also on a GPU host
+    target = plan_target(args)
+    os.environ["JAX_PLATFORMS"] = "cpu"  # simulated CPU devices, also on a GPU host; a target's GPUs are compile-only
     # jax (imported with these) reads $JAX_PLATFORMS when it is imported: after the line above
     from jaxdp.analysis.measure import InspectError
     from jaxdp.analysis.plan import PlanError, plan
@@ -50,11 +55,24 @@ def run(args) -> int:
         result = plan(args.model, args.devices, args.device_memory, args.global_batch_size, width=args.width,
                       blocks=args.blocks, stem=args.stem, optimizer=args.optimizer, dtype=args.dtype,
                       image_size=args.image_size, strategies=args.strategies, staleness=args.staleness,
-                      verify=args.verify)
-    except (PlanError, InspectError) as e:
+                      verify=args.verify, target=target)
+    except (PlanError, InspectError, TargetError) as e:
         raise CommandError(str(e)) from None
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
+
+
+def plan_target(args):
+    """``--target`` with ``--devices`` N GPUs in all over ``--hosts`` H (N/H each), or None."""
+    hosts = args.hosts or 1
+    try:
+        if args.target is None:
+            return target_of(args)  # --hosts without --target: its one-line refusal
+        if args.devices % hosts:
+            raise TargetError(f"--devices {args.devices} must split evenly over --hosts {hosts}")
+        return Target.parse(args.target, args.devices // hosts, hosts)
+    except TargetError as e:
+        raise CommandError(str(e)) from None
 
 
 def _mib(x) -> str:
@@ -73,13 +91,14 @@ def format_plan(r: dict) -> str:
         name = row["strategy"] + (f" {row['mesh_shape'][0]}x{row['mesh_shape'][1]}" if row["mesh_shape"] else "")
         best = " <- recommended" if i == r["recommended"] else ""
         checked = "" if row["verified"] else "?"
-        lines.append(f"{name:<12}{_mib(row['state_bytes']):>11}{_mib(row['memory']['temp']):>11}"
-                     f"{_mib(row['memory']['total']):>11}{'yes' if row['fits'] else 'no':>6}"
+        lines.append(f"{name:<12}{_mib(row['state_bytes']):>11}{_mib(row['memory']['temp_bytes']):>11}"
+                     f"{_mib(row['memory']['total_bytes']):>11}{'yes' if row['fits'] else 'no':>6}"
                      f"{row['max_batch_per_device']:>14}{checked:1}{_mib(row['bytes_per_image']):>11}"
                      f"{_mib(row['traffic_bytes']):>18}{best}")
     lines += ["",
+              f"compiled for {r['compiled_for']}",
               "state: params + optimizer state + extra per device (ZeRO formulas, padded); temp and step: the "
-              "compiled step at the asked batch (step = argument + output - alias + temp, XLA:CPU's buffers); "
+              "compiled step at the asked batch (step = argument + output - alias + temp); "
               "max batch: the line through compiles at b and 2b, checked by a third (? = not confirmed)",
               f"recommended: {r['rule']}" + ("" if r["recommended"] is not None else ": none fits")]
     return "\n".join(lines)

@@ -56,7 +56,7 @@ def check_split(model, variables, specs, batch, model_inputs, mesh, axis: str, s
 
     def local(variables, batch):
         out = model.apply(variables, *model_inputs(batch), rngs={"dropout": jax.random.key(0)}, **apply_kwargs)
-        varying.extend(axis in _varying_axes(x) for x in jax.tree_util.tree_leaves(out))
+        varying.extend(axis in varying_axes(x) for x in jax.tree_util.tree_leaves(out))
         return 0.0
 
     try:
@@ -80,7 +80,7 @@ def _mismatch(message: str) -> str:
     return f"params{scope}/{param} is {given} on each device (its plan's cut), but the model builds it {built}"
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """The mesh axes ``x`` varies over inside shard_map (jax 0.10: ``aval.mat.varying``)."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)

@@ -18,60 +18,15 @@ fall on a convolution's zero padding, which the convention counts).
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import jax
 
+from jaxdp.analysis.flops import forward_flops
 from jaxdp.models import create_model
 
 # forward + backward = 3 x forward: the backward's two products per forward product.
 TRAIN_FACTOR = 3
-
-
-def forward_flops(fn, *args) -> float:
-    """2 x the multiply-accumulates of the convolutions and matrix products ``fn(*args)``
-    runs (``args``: arrays or ``jax.ShapeDtypeStruct``s); nothing is computed."""
-    return _jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
-
-
-def _jaxpr_flops(jaxpr) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "conv_general_dilated":
-            total += _conv_flops(eqn)
-        elif name == "dot_general":
-            total += _dot_flops(eqn)
-        inner = [_jaxpr_flops(j) for j in _sub_jaxprs(eqn.params)]
-        if inner:
-            # a scan runs its body ``length`` times; a cond runs one branch (the dearest counts)
-            total += max(inner) if name == "cond" else sum(inner) * eqn.params.get("length", 1)
-    return total
-
-
-def _sub_jaxprs(params: dict):
-    for value in params.values():
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            if hasattr(v, "eqns"):  # a Jaxpr
-                yield v
-            elif hasattr(getattr(v, "jaxpr", None), "eqns"):  # a ClosedJaxpr
-                yield v.jaxpr
-
-
-def _conv_flops(eqn) -> float:
-    """Each output element costs (input features per group x kernel window) MACs."""
-    out = eqn.outvars[0].aval.shape
-    kernel = eqn.invars[1].aval.shape
-    out_features = kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
-    return 2.0 * math.prod(out) * math.prod(kernel) / out_features
-
-
-def _dot_flops(eqn) -> float:
-    """Each output element costs the product of the contracted dimensions in MACs."""
-    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
 
 
 def train_flops_per_image(model, *inputs, apply_kwargs: Optional[dict] = None) -> float:

@@ -159,7 +159,8 @@ class MeshDims:
 
 def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] = None,
               axis_names: Sequence[str] = (DATA_AXIS,), *, data: Optional[int] = None,
-              replica: Optional[int] = None, stage: Optional[int] = None, model: Optional[int] = None):
+              replica: Optional[int] = None, stage: Optional[int] = None, model: Optional[int] = None,
+              devices: Optional[Sequence] = None):
     """A mesh over the first ``num_devices`` devices (all by default).
 
     Named sizes are the short form: ``make_mesh(data=4)``; ``make_mesh(replica=2, data=4)``
@@ -168,7 +169,8 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
     in the order of ``AXES`` whatever the keyword order, and only the named ones exist.
 
     ``shape``/``axis_names`` give any other mesh, e.g. ``(2, 4), ("replica", "data")``.
-    Devices are ordered process by process, so each process's devices form one
+    ``devices``: the devices to choose from instead of ``jax.devices()``, e.g. a GPU target's
+    compile-only devices (``jaxdp.runtime.target.compile_only_devices``). Devices are ordered process by process, so each process's devices form one
     contiguous block of ranks (its rows of every batch). A multi-process mesh
     spans every device of every process: a process without devices in the mesh
     would have nothing to do and would block every collective.
@@ -182,9 +184,10 @@ def make_mesh(num_devices: Optional[int] = None, shape: Optional[Sequence[int]] 
             raise MeshError("give either named axis sizes (data=, replica=, stage=, model=) or num_devices/shape")
         dims = MeshDims.named(**named)
         shape, axis_names = dims.shape, dims.axes
-    devices = host_ordered(jax.devices())
+    devices = host_ordered(jax.devices() if devices is None else devices)
     n = num_devices or (int(np.prod(shape)) if shape else len(devices))
-    MeshDims(data=n).check_devices(len(devices), platform=devices[0].platform, processes=jax.process_count())
+    processes = len({d.process_index for d in devices})
+    MeshDims(data=n).check_devices(len(devices), platform=devices[0].platform, processes=processes)
     shape = tuple(shape) if shape else (n,)
     if int(np.prod(shape)) != n:
         raise MeshError(f"mesh shape {shape} does not hold {n} devices")

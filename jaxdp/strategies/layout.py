@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxdp.strategies.ties import in_order
+
 
 def shard_dim(shape: Sequence[int], n: int) -> Optional[int]:
     """The dimension a tensor of ``shape`` is cut along for ``n`` shards (None: scalar, replicated)."""
@@ -158,11 +160,13 @@ def _split_scalars(fn, xs, shapes, on_scalar):
 
 
 def map_groups(fn, tree, groups, *per_leaf):
-    """Apply ``fn`` (a list of leaves -> a list of leaves) to each group of leaf indices of ``tree``;
-    each list of ``per_leaf`` (one entry per leaf, e.g. its whole shape) is passed cut to the group too."""
+    """Apply ``fn`` (a list of leaves -> a list of leaves) to each group of leaf indices of ``tree``, one
+    group after another (``ties.in_order``: one collective per group, never merged by XLA); each list of
+    ``per_leaf`` (one entry per leaf, e.g. its whole shape) is passed cut to the group too."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = [None] * len(leaves)
-    for group in groups:
-        for i, y in zip(group, fn([leaves[i] for i in group], *[[side[i] for i in group] for side in per_leaf])):
+    cut = [[[side[i] for i in group] for group in groups] for side in per_leaf]
+    for group, ys in zip(groups, in_order(fn, [[leaves[i] for i in group] for group in groups], *cut)):
+        for i, y in zip(group, ys):
             out[i] = y
     return jax.tree_util.tree_unflatten(treedef, out)

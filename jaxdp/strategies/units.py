@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp.strategies.ties import after, floats, zero_of
 from jaxdp.names import REMATS  # noqa: F401 (what a unit keeps for backward, ``fsdp_unit``: "unit" | "none")
 
 Path = Tuple[str, ...]
@@ -166,16 +167,53 @@ def _set_counters(counters: dict, values: dict) -> None:
 
 
 
-def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mutable: Sequence[str],
-              remat: str = "unit", prefetch_after=None):
-    """Run one unit with FSDP's collectives; returns (output, updated mutable collections).
+class Lead:
+    """What one unit hands the next so that their collectives overlap compute, one unit ahead, in order.
 
-    forward: all-gather the unit's params (``gather(chunks)``) once ``prefetch_after`` (an
-    array; default: the unit's input) exists, and apply the unit. Given the previous unit's
-    input, the gather may run while the previous unit computes: FSDP2's forward prefetch, at
-    the cost of two units' params alive at once. backward: all-gather them again; the
-    gather's transpose reduce-scatters the param gradient. ``remat`` says what forward keeps
-    for backward:
+    Two float scalars of value zero, carried as a data dependence (XLA reorders and combines
+    collectives freely otherwise):
+
+    - ``gather``, forward: made from the unit's input and its gathered params. The next unit's
+      gather waits for it, so it starts as this unit starts computing (FSDP2's forward
+      prefetch), never earlier (at most two units' params alive), and never before this unit's
+      own gather is done (XLA's all-gather combiner cannot merge the two into one that waits for
+      both). Backward, its cotangent comes from the next unit's backward *first thing* (made from
+      that unit's output cotangent and re-gathered params): this unit's re-gather waits for it
+      instead of its own output cotangent, so it runs while the next unit's backward computes
+      (FSDP2's backward prefetch), one at a time;
+    - ``scatter``: its cotangent comes from the next unit's reduce-scattered gradient: this
+      unit's reduce-scatter waits for it, so the reduce-scatters run one per unit, each as its
+      unit's backward ends, instead of one combined reduce-scatter after the whole backward.
+
+    ``taken``: whether a later unit received it. Only then does its cotangent carry a dependence
+    (else it is a constant zero, and a gather tied to it could be hoisted anywhere): a unit whose
+    ``Lead`` nobody took, the last, re-gathers as its own forward ends instead.
+    """
+
+    def __init__(self, gather, scatter):
+        self.gather, self.scatter, self.taken = gather, scatter, False
+
+    @classmethod
+    def of_root(cls, params) -> "Lead":
+        """The first unit's ``Lead``, made from the params gathered before any unit (the root unit's):
+        the first unit's gather follows the root's, and the root's reduce-scatter follows the first
+        unit's (else XLA merges it with the last unit's, after the whole backward)."""
+        return cls(zero_of(floats(params)), zero_of(floats(params)))
+
+    def arrays(self):
+        return (self.gather, self.scatter)
+
+
+def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mutable: Sequence[str],
+              remat: str = "unit", lead: Optional[Lead] = None):
+    """Run one unit with FSDP's collectives; returns (output, updated mutable collections, ``Lead``
+    for the next unit).
+
+    forward: all-gather the unit's params (``gather(chunks)``) once ``lead``, the previous
+    unit's ``Lead``, says so (``Lead``: one unit ahead; the first unit has none and may gather
+    at once), and apply the unit. backward: all-gather them again (once the next unit's backward
+    has started; the last unit, as its forward ends); the gather's transpose reduce-scatters the
+    param gradient, after the next unit's reduce-scatter. ``remat`` says what forward keeps for backward:
 
     - ``"unit"``: only the unit's inputs; backward recomputes the unit (least memory).
     - ``"none"`` (FSDP2's default): the unit's activations, the residuals of its VJP,
@@ -190,14 +228,17 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
     keeps them apart before its last CSE pass, which then merges the two gathers: every
     unit's full params stayed alive from forward to backward (measured: 6 all-gathers
     instead of 12, more temp memory than DDP). Tying each gather to a value that exists
-    only when it should run (the unit's input, the unit's output cotangent) is a data
-    dependence no pass removes. A checkpoint policy that saves the dots (``dots_saveable``)
-    meets the same passes (DESIGN.md section 9), and would still recompute the unit's
-    elementwise ops.
+    only when it should run (``Lead``, the unit's output cotangent) is a data dependence no
+    pass removes. A checkpoint policy that saves the dots (``dots_saveable``) meets the same
+    passes (DESIGN.md section 9), and would still recompute the unit's elementwise ops.
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
     arrays = [x for x, a in zip(leaves, is_array) if a]
+    if lead is not None:
+        lead.taken = True
+    anchors = lead.arrays() if lead is not None else (jnp.zeros((), jnp.float32),) * 2
+    produced = []  # this call's Lead, read by its backward (traced after every unit's forward)
 
     def apply(params, state, arrays):
         it = iter(arrays)
@@ -205,47 +246,80 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         out = call({"params": params, **state}, *a, **kw)
         return out if mutable else (out, {})
 
-    def forward(chunks, state, arrays, anchor):
-        return apply(gather(_after(chunks, [anchor])), state, arrays)
+    def gathered(chunks, anchors):
+        return gather(after(chunks, anchors[0]) if lead is not None else chunks)
+
+    def handed_on(arrays, params):
+        """The next unit's ``Lead`` (forward values: zeros tied to this unit's input and params)."""
+        return zero_of([first_float(arrays), *floats(params)]), zero_of([])
+
+    def regather(chunks, done, d_anchors):
+        """The params again, and the gather's transpose (a reduce-scatter): once the next unit's
+        backward has started (``d_anchors``: its ``Lead``'s cotangents); the last unit, which has no
+        next, once its own forward is ``done`` (a zero made from its output: FSDP2 keeps the last
+        block's params from forward to backward; here they are gathered again as the forward ends)."""
+        return jax.vjp(gather, after(chunks, d_anchors[0] if _taken(produced) else done))
+
+    def scattered(scatter, d_params, d_anchors, params, dy):
+        """The chunks' gradient, reduce-scattered after the next unit's, and the previous unit's
+        ``Lead`` cotangents: zeros tied to this unit's ``dy`` and params (its re-gather may start)
+        and to the reduce-scattered gradient (its reduce-scatter may start)."""
+        if _taken(produced):
+            d_params = after(d_params, d_anchors[1])
+        d_chunks = scatter(d_params)[0]
+        if lead is None:  # the first unit's anchors were constants
+            return d_chunks, _zeros(anchors)
+        return d_chunks, (zero_of([first_float(dy), *floats(params)]), zero_of(floats(d_chunks)))
+
+    def forward(chunks, state, arrays, anchors):
+        params = gathered(chunks, anchors)
+        out = apply(params, state, arrays)
+        return (out, handed_on(arrays, params)), zero_of([first_float(out[0])])
 
     @jax.custom_vjp
-    def run(chunks, state, arrays, anchor):
-        return forward(chunks, state, arrays, anchor)
+    def run(chunks, state, arrays, anchors):
+        return forward(chunks, state, arrays, anchors)[0]
 
-    def regather(chunks, dy):
-        """The params again, once ``dy`` exists, and the gather's transpose (a reduce-scatter)."""
-        return jax.vjp(gather, _after(chunks, [dy]))
-
-    def recompute_fwd(chunks, state, arrays, anchor):
-        return forward(chunks, state, arrays, anchor), (chunks, state, arrays, anchor)  # no gathered params kept
+    def recompute_fwd(chunks, state, arrays, anchors):
+        outputs, done = forward(chunks, state, arrays, anchors)
+        return outputs, (chunks, state, arrays, anchors, done)  # no gathered params kept
 
     def recompute_bwd(residuals, cotangents):
-        chunks, state, arrays, anchor = residuals
-        dy, _ = cotangents  # mutated collections (BN running stats) carry no gradient
-        params, scatter = regather(chunks, dy)
+        chunks, state, arrays, anchors, done = residuals
+        (dy, _), d_anchors = cotangents  # mutated collections (BN running stats) carry no gradient
+        params, scatter = regather(chunks, done, d_anchors)
         _, pullback = jax.vjp(lambda p, xs: apply(p, state, xs)[0], params, arrays)
         d_params, d_arrays = pullback(dy)
-        return scatter(d_params)[0], _zeros(state), d_arrays, _zeros(anchor)
+        d_chunks, d_lead = scattered(scatter, d_params, d_anchors, params, dy)
+        return d_chunks, _zeros(state), d_arrays, d_lead
 
     pullback_shape = []  # set while tracing forward, read while tracing backward
 
-    def keep_fwd(chunks, state, arrays, anchor):
-        params = gather(_after(chunks, [anchor]))
+    def keep_fwd(chunks, state, arrays, anchors):
+        params = gathered(chunks, anchors)
         out, pullback, updated = jax.vjp(lambda p, xs: apply(p, state, xs), params, arrays, has_aux=True)
         saved, shape = _without_params(pullback, params)
         pullback_shape[:] = [shape]
-        return (out, updated), (chunks, state, saved, anchor)
+        done = zero_of([first_float(out)])
+        return ((out, updated), handed_on(arrays, params)), (chunks, state, saved, anchors, done)
 
     def keep_bwd(residuals, cotangents):
-        chunks, state, saved, anchor = residuals
-        dy, _ = cotangents
-        params, scatter = regather(chunks, dy)
+        chunks, state, saved, anchors, done = residuals
+        (dy, _), d_anchors = cotangents
+        params, scatter = regather(chunks, done, d_anchors)
         d_params, d_arrays = _with_params(saved, pullback_shape[0], params)(dy)
-        return scatter(d_params)[0], _zeros(state), d_arrays, _zeros(anchor)
+        d_chunks, d_lead = scattered(scatter, d_params, d_anchors, params, dy)
+        return d_chunks, _zeros(state), d_arrays, d_lead
 
     # remat is checked where the strategy's options are (jaxdp.strategies.options): one of REMATS.
     run.defvjp(*{"unit": (recompute_fwd, recompute_bwd), "none": (keep_fwd, keep_bwd)}[remat])
-    return run(chunks, state, arrays, first_float(arrays) if prefetch_after is None else prefetch_after)
+    (out, updated), handed = run(chunks, state, arrays, anchors)
+    produced.append(Lead(*handed))
+    return out, updated, produced[0]
+
+
+def _taken(produced: list) -> bool:
+    return bool(produced) and produced[0].taken
 
 
 def _zeros(tree):
@@ -269,18 +343,3 @@ def _with_params(saved, shape, params):
     treedef, slots = shape
     param_leaves, it = jax.tree_util.tree_leaves(params), iter(saved)
     return jax.tree_util.tree_unflatten(treedef, [next(it) if s is None else param_leaves[s] for s in slots])
-
-
-def _after(chunks, xs):
-    """``chunks`` unchanged, but computable only once the first float array of ``xs`` exists.
-
-    ``c + 0 * x[0]``: XLA folds ``x * 0`` for integers only (for floats NaN * 0 is NaN),
-    so the dependence stays; a NaN in ``x`` would reach the params, but then the step is
-    lost anyway. Without it the scheduler hoists every unit's forward gather to the start
-    (temp 5.7 vs 4.4 Psi bytes, the 18-layer CIFAR CNN at width 32).
-    """
-    floats = [x for x in jax.tree_util.tree_leaves(xs) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    if not floats:
-        return chunks
-    zero = 0 * floats[0].reshape(-1)[0]
-    return jax.tree_util.tree_map(lambda c: c + zero.astype(c.dtype), chunks)

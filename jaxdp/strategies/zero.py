@@ -56,7 +56,7 @@ from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.options import refuse_untaken
 from jaxdp.strategies.sync.allreduce import AllReduce, bucket_limits, refuse_with_tensor_parallel
 from jaxdp.strategies.sync.sharded import GatherOnUse, ReduceScatter, all_gather
-from jaxdp.strategies.units import Units, first_float, fsdp_unit, gather_on_use, in_unit, unit_paths
+from jaxdp.strategies.units import Lead, Units, fsdp_unit, gather_on_use, in_unit, unit_paths
 
 # Why a stage refuses an option another name takes (its facts' ``why_not``; ``strategies.options`` says it).
 REASONS = {
@@ -207,22 +207,25 @@ class ZeRO(Strategy):
         def gather_tree(chunks, full):
             return jax.tree_util.tree_map(lambda c, s: layout.gather(c, s.shape, axis, n), chunks, full)
 
-        def gather_unit(inputs, module, call, variables, mutable, args, kwargs):
+        def gather_unit(leads, module, call, variables, mutable, args, kwargs):
             full = shapes
             for k in module.path:
                 full = full[k]
             state = {c: v for c, v in variables.items() if c != "params"}
-            # Forward prefetch: this unit's gather may start once the previous unit's input exists.
-            previous = inputs[-1] if inputs else None
-            inputs.append(first_float((args, kwargs)))
-            return self.run_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args, kwargs,
-                                 mutable, prefetch_after=previous)
+            # Each unit's collectives wait for the previous unit's Lead: one unit ahead (units.Lead).
+            out, updated, lead = self.run_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args,
+                                               kwargs, mutable, lead=leads[-1])
+            leads.append(lead)
+            return out, updated
 
         def run(chunks, model_state, batch, key):
             def root_gather(path, c, s):
                 return c if in_unit(leaf_path(path), self.unit_paths) else layout.gather(c, s.shape, axis, n)
             params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes)
-            with gather_on_use(self.units, functools.partial(gather_unit, [])):  # [] : the units' inputs, in order
+            root = [p for path, p in jax.tree_util.tree_leaves_with_path(params)
+                    if not in_unit(leaf_path(path), self.unit_paths)]
+            leads = [Lead.of_root(root)]  # then each unit's, in order
+            with gather_on_use(self.units, functools.partial(gather_unit, leads)):
                 return loss_fn(params, model_state, batch, key)
         return run
 

@@ -39,7 +39,7 @@ def _row_cells(r: dict) -> list:
             _fmt(t.get("median_step_s"), ".4f", "n/a" if "torch_ref" not in r else "err"),
             _fmt(r.get("ratio_jax_over_torch"), ".2f"), _fmt(j.get("images_per_s"), ".1f"),
             _fmt(t.get("images_per_s"), ".1f"), _fmt(j.get("compile_s"), ".1f"),
-            _fmt(_mb((j.get("memory") or {}).get("total")), ".2f"),
+            _fmt(_mb((j.get("memory") or {}).get("total_bytes")), ".2f"),
             f"{_fmt(_mb(state_m), '.3f')}{' (no grads)' if meas and meas.get('grads') is None else ''}"
             f" / {_fmt(_mb(state_f), '.3f')}",
             f"{_fmt(_mb(coll), '.3f')} / {_fmt(_mb(j.get('traffic_formula_bytes')), '.3f')}",
@@ -155,7 +155,7 @@ def plots(result: dict, out: str, tag: str) -> List[str]:
     last = [r for r in rows if r["n"] == nmax and (r.get("jaxdp") or {}).get("memory")]
     xs = np.arange(len(last))
     ax = axes[1]
-    comp = [_mb(r["jaxdp"]["memory"]["total"]) for r in last]
+    comp = [_mb(r["jaxdp"]["memory"]["total_bytes"]) for r in last]
     meas = [_mb(sum(v or 0 for k, v in ((r["jaxdp"].get("state") or {}).get("measured") or {}).items()
                     if k in ("params", "grads", "opt"))) for r in last]
     form = [_mb(sum(((r["jaxdp"].get("state") or {}).get("formula") or {}).values())) for r in last]

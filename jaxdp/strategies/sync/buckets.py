@@ -34,6 +34,8 @@ from typing import Callable, List, Sequence, Tuple
 import jax
 import numpy as np
 
+from jaxdp.strategies.ties import in_order
+
 MIB = 1024 * 1024
 DEFAULT_CAP_MB = 25.0  # torch's _DEFAULT_BUCKET_CAP_MB
 DEFAULT_FIRST_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, used only with the default cap
@@ -113,9 +115,11 @@ def bucketed(grads, reduce_bucket: Callable, order: Sequence[Path], limits: Sequ
     by_path = {leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(grads)}
     paths = reduction_order(grads, order)
     leaves = [by_path[p] for p in paths]
+    buckets = plan_buckets([x.size * x.dtype.itemsize for x in leaves], limits)
     reduced = {}
-    for bucket in plan_buckets([x.size * x.dtype.itemsize for x in leaves], limits):
-        for i, x in zip(bucket, reduce_bucket([leaves[i] for i in bucket])):
+    # In order, one collective each: XLA would otherwise merge the buckets (ties.in_order).
+    for bucket, out in zip(buckets, in_order(reduce_bucket, [[leaves[i] for i in bucket] for bucket in buckets])):
+        for i, x in zip(bucket, out):
             reduced[paths[i]] = x
     return jax.tree_util.tree_map_with_path(lambda p, _: reduced[leaf_path(p)], grads)
 
