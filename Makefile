@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 QUICKSTART_ARGS := --strategy ddp --model resnet18 --width 8 --devices 2 --global-batch-size 128 \
 	--epochs 2 --synthetic-size 5000,1000 --lr 0.2 --out runs/quickstart --overwrite
 
-.PHONY: train test install install-gpu gpu-check gpu-check-rehearsal gpu-bench clean
+.PHONY: train test install install-gpu install-gpu-target gpu-check gpu-check-rehearsal gpu-bench clean
 
 # pyproject.toml admits torch 2.6 to < 3; CONSTRAINTS pins the one installed here (2.13.0, the
 # CPU wheel on the build machines). Another torch: make install CONSTRAINTS=/dev/null.
@@ -34,8 +34,19 @@ train: install
 # vs 12 min 16 s). Each test module runs whole on one worker (--dist loadfile), so its
 # module fixtures, in-process jit caches and shared torch runs are built once, not once per
 # worker: 11 min 20 s instead of 12 min 16 s on one machine.
-test: install
+test: install install-gpu-target
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile
+
+# Compile-only GPU targets (jaxdp inspect/plan --target h100, without a GPU): JAX's CUDA plugin and PJRT
+# of the installed jaxlib's exact version, with --no-deps, in a directory of their own beside the venv
+# (.venv/jaxdp-gpu-target/), never site-packages: there the plugin would register at every `import jax`
+# and print a CUDA traceback on a machine without a GPU. ptxas comes from a CUDA toolkit, else from
+# nvidia-cuda-nvcc-cu12 in the same directory. 480 MB; make test installs it (its tests compile for H100s).
+install-gpu-target: $(VENV)/.installed-gpu-target
+
+$(VENV)/.installed-gpu-target: $(VENV)/.installed
+	$(BIN)/python -m jaxdp.runtime.target install
+	touch $@
 
 # JAX's CUDA build on top of the dev install (torch's default Linux wheel already has CUDA).
 install-gpu: $(VENV)/.installed-gpu

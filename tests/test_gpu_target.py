@@ -197,3 +197,50 @@ def test_every_gathered_byte_is_counted(h100x8):
         assert listed == pytest.approx(r["traffic"]["ring_bytes"]), name
     zero2 = h100x8["zero2"]
     assert zero2["traffic"]["ring_bytes"] == pytest.approx(zero2["traffic_formula_bytes"], rel=0.02)
+
+
+# ----------------------------------------------------------------------------- the plugin's place
+
+def python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_no_one_who_asks_for_no_target_meets_the_plugin(module_user_env):
+    """With the plugin installed, a plain ``import jax`` (a user's script, jaxdp train, the tests) starts
+    its backend without a word about CUDA, and importing jaxdp sets neither JAX_PLATFORMS nor the CUDA
+    check. Control: the same script with the plugin's directory on the path prints what the user would
+    otherwise see."""
+    require_plugin()
+    env = {k: v for k, v in module_user_env.items() if k != "JAX_PLATFORMS"}
+    code = ("import os, jax, jaxdp, jaxdp.runtime.target, jaxdp.analysis; jax.devices(); "
+            "print(os.environ.get('JAX_PLATFORMS'), os.environ.get('JAX_SKIP_CUDA_CONSTRAINTS_CHECK'))")
+    plain = python(code, env)
+    assert plain.returncode == 0 and plain.stdout.split() == ["None", "None"], plain.stderr[-2000:]
+    assert "cuda" not in plain.stderr.lower()
+    exposed = python(code, dict(env, PYTHONPATH=gpu_target.plugin_dir()))
+    assert "cuda" in (exposed.stderr + exposed.stdout).lower()
+
+
+def jaxdp_cli(*args, env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxdp.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("inspect", "--target", "h300"), "unknown GPU target 'h300'; choose from h100, h200, a100"),
+    (("inspect", "--hosts", "2"), "--hosts needs --target"),
+    (("inspect", "--target", "h100", "--devices", "0"), "--devices must be a positive integer with --target"),
+    (("plan", "--target", "h100", "--devices", "9", "--hosts", "2"), "--devices 9 must split evenly over --hosts 2"),
+])
+def test_a_bad_target_is_one_line(args, says, module_user_env):
+    proc = jaxdp_cli(*args, env=module_user_env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"jaxdp: error: {says}"), proc.stderr
+
+
+def test_without_the_plugin_a_target_says_how_to_install_it(tmp_path, module_user_env):
+    proc = jaxdp_cli("inspect", "--target", "h100", "--devices", "2", "--width", "4", "--blocks", "1,1,1,1",
+                     env=dict(module_user_env, JAXDP_GPU_TARGET_DIR=str(tmp_path)))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "needs JAX's CUDA plugin" in lines[0] and "make install-gpu-target" in lines[0]

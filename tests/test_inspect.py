@@ -108,14 +108,21 @@ def test_zero3_collectives_and_traffic(compiled_reports):
 
 
 def test_zero3_compiled_memory_saving(compiled_reports):
+    """ZeRO-3 saves the model state the formulas say, less what it gathers: with FSDP2's prefetch, two
+    units' params at once (the one computing, the next one gathered one unit ahead). At width 32 on
+    16x16 images the layer4 blocks are 0.42 and 0.33 of Psi: the allowance is theirs."""
     z3 = compiled_reports["zero3"]
     used = {name: r["memory"]["argument_bytes"] + r["memory"]["temp_bytes"] for name, r in compiled_reports.items()}
     n, psi, p, k = 8, z3["psi"], z3["param_bytes"], z3["opt_bytes_per_param"]
     theory = (p + p + k) * psi * (1 - 1 / n)
+    width = 32
+    block = 9 * width * 8 * width * 8 * 2 + 4 * width * 8  # a layer4 block without downsampling: 2 convs, 2 BNs
+    first = 9 * width * 4 * width * 8 + 9 * width * 8 * width * 8 + width * 4 * width * 8 + 6 * width * 8
+    prefetched = p * (block + first)
     saving = used["ddp"] - used["zero3"]
     print(f"argument+temp per device: ddp {used['ddp']:,} B, zero3 {used['zero3']:,} B; "
-          f"saving {saving:,} B = {saving / theory:.3f} of the theory's {theory:,.0f} B")
-    assert saving >= 0.9 * theory
+          f"saving {saving:,} B = {saving / theory:.3f} of the theory's {theory:,.0f} B (less {prefetched:,} B prefetched)")
+    assert saving >= 0.9 * (theory - prefetched)
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,9 @@ def estimate(gpu, dtype: str, flops: float, bytes_accessed: float, collectives: 
             "flops": flops, "bytes_accessed": bytes_accessed}
 
 
-def program_costs(traced, compiled_text: str) -> tuple:
-    """(FLOPs of the traced step, bytes accessed by its compiled program), per device."""
-    return jaxpr_flops(traced.jaxpr), bytes_accessed(compiled_text)
+def program_costs(step_jaxpr, compiled_text: str) -> tuple:
+    """(FLOPs of the step's jaxpr, bytes accessed by its compiled program), per device."""
+    return jaxpr_flops(step_jaxpr), bytes_accessed(compiled_text)
 
 
 def against_measurement(report: dict) -> Optional[dict]:

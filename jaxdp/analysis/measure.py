@@ -148,8 +148,7 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
         report.update(target=target.gpu.name, hosts=target.hosts, batch_bytes=device_bytes(sharded))
     devices = strategy.mesh.devices.size  # every device of the mesh, model and stage axes too
     if compile:
-        traced = strategy.engine.trace_step(state, sharded)
-        lowered = traced.lower()
+        lowered = strategy.engine.lower_step(state, sharded)
         compiled = lowered.compile()
         text = compiled.as_text()
         report["memory"] = compiled_memory(compiled)
@@ -161,8 +160,8 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
         report["collectives"] = collective_list(text, [d.process_index for d in strategy.mesh.devices.flat])
         report["backend"] = strategy.mesh.devices.flat[0].platform
         if target is not None:
-            report.update(estimate(target.gpu, str(np.dtype(strategy.model.dtype)), *program_costs(traced, text),
-                                   report["collectives"]))
+            costs = program_costs(strategy.engine.step_jaxpr(state, sharded), text)
+            report.update(estimate(target.gpu, str(np.dtype(strategy.model.dtype)), *costs, report["collectives"]))
         if schedule:
             report["schedule"] = [dataclasses.asdict(op) for op in entry_ops(text)]
     report["axes"] = axis_report(strategy, report.get("traffic"), report.get("memory", {}).get("temp_bytes"),

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from jaxdp.analysis.estimate import against_measurement
 from jaxdp.analysis.state import COMPRESSED_BYTES
 from jaxdp.strategies import facts
 
@@ -163,8 +164,6 @@ def format_overlap(r: dict) -> list:
 
 
 def _format_estimate(r: dict) -> list:
-    from jaxdp.analysis.estimate import against_measurement
-
     ms = 1e3
     lines = [f"compiled for {r['devices']} {r['target'].upper()} on {r['hosts']} host(s), without a GPU "
              f"(jaxdp.runtime.target); memory above is XLA's GPU buffer assignment (no cuDNN workspace)",

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Dict, List, Optional, Tuple
 
 ENV_DIR = "JAXDP_GPU_TARGET_DIR"  # overrides plugin_dir()
@@ -147,8 +148,6 @@ class Target:
 # ----------------------------------------------------------------------------- the plugin
 
 def jaxlib_version() -> str:
-    from importlib.metadata import version
-
     return version("jaxlib")
 
 

@@ -146,12 +146,13 @@ class ShardMapEngine(Engine):
         return self._one_at_a_time(program, state, batch)
 
     def lower_step(self, state: TrainState, batch):
-        return self.trace_step(state, batch).lower()
-
-    def trace_step(self, state: TrainState, batch):
-        """The step traced for these arguments (``.jaxpr``, ``.lower()``), nothing compiled."""
         self.strategy.learn_structure(batch)
-        return self._step_program(state).trace(state, batch)
+        return self._step_program(state).lower(state, batch)
+
+    def step_jaxpr(self, state: TrainState, batch):
+        """The step's jaxpr for these arguments (shapes suffice): nothing is lowered or compiled."""
+        self.strategy.learn_structure(batch)
+        return self._step_program(state).trace(state, batch).jaxpr
 
     def per_device_shapes(self, fn, state: TrainState, batch):
         """``fn(state, batch)``'s output shapes, ``fn`` traced per device as the step is (nothing runs)."""

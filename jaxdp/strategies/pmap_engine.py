@@ -82,6 +82,10 @@ class PmapEngine(Engine):
     def lower_step(self, state, batch):
         return self.jit_step.lower(state, batch)
 
+    def step_jaxpr(self, state, batch):
+        """As ``ShardMapEngine.step_jaxpr`` (a pmapped function has no ``trace``)."""
+        return jax.make_jaxpr(self.jit_step)(state, batch)
+
     def per_device_shapes(self, fn, state, batch):
         """As ``ShardMapEngine.per_device_shapes``: pmap hands each device its own state and batch."""
         return jax.eval_shape(jax.pmap(fn, axis_name=self.strategy.axis, devices=self.devices), state, batch)

@@ -14,6 +14,12 @@ still merge the others with what waits.
 ``in_order(fn, groups)`` runs ``fn`` on groups of arrays one after another, each group's inputs
 tied to the previous group's outputs: DDP's buckets and ZeRO's reduce-scatter and gather buckets
 stay one collective each, issued as their gradients are ready, never merged into one at the end.
+
+A tie never changes a type. Inside ``shard_map`` every value carries the mesh axes it varies over,
+and a value that varies over an axis can become invariant again only through a collective. So a
+leaf is tied only to the arrays that vary over no axis it does not (a params chunk replicated over
+``model`` is not tied to a model slice's gradient), and a zero made for a given type (a
+``custom_vjp`` cotangent) is cast up to exactly it.
 """
 
 from typing import Callable, List, Sequence
@@ -29,24 +35,32 @@ def floats(tree) -> list:
     return [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def zero_of(xs):
-    """A float32 scalar zero computed from the first element of every float array of ``xs``
-    (none: a constant zero). Inside shard_map it varies over every mesh axis whatever ``xs`` vary
-    over, so that two zeros made from different values have one type (a ``custom_vjp`` cotangent
-    must have its primal's)."""
-    parts = [0 * x.reshape(-1)[0].astype(jnp.float32) for x in floats(xs)]
+def zero_of(xs, like=None):
+    """A float32 scalar zero computed from the first element of every float array of ``xs`` (none: a
+    constant zero). ``like`` (an array): only the arrays of ``xs`` that vary over no axis ``like`` does
+    not, and the zero cast to vary over exactly ``like``'s axes (a ``custom_vjp`` cotangent must have
+    its primal's type)."""
+    within = None if like is None else varying_axes(like)
+    parts = [0 * x.reshape(-1)[0].astype(jnp.float32) for x in floats(xs)
+             if within is None or varying_axes(x) <= within]
     zero = sum(parts[1:], parts[0]) if parts else jnp.zeros((), jnp.float32)
-    uniform = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a not in varying_axes(zero))
-    return jax.lax.pcast(zero, uniform, to="varying") if uniform else zero
+    missing = () if within is None else tuple(a for a in sorted(within) if a not in varying_axes(zero))
+    return jax.lax.pcast(zero, missing, to="varying") if missing else zero
 
 
 def after(tree, xs):
-    """``tree``, unchanged in value, computable only once every float array of ``xs`` exists."""
+    """``tree``, unchanged in value and type, each float leaf computable only once every float array of
+    ``xs`` that varies over no other axis than it does exists."""
     if not floats(xs):
         return tree
-    zero = zero_of(xs)
-    return jax.tree_util.tree_map(
-        lambda c: c + zero.astype(c.dtype) if jnp.issubdtype(c.dtype, jnp.inexact) else c, tree)
+    zeros = {}  # one zero per set of axes the leaves vary over
+
+    def tied(c):
+        axes = varying_axes(c)
+        if axes not in zeros:
+            zeros[axes] = zero_of(xs, like=c)
+        return c + zeros[axes].astype(c.dtype)
+    return jax.tree_util.tree_map(lambda c: tied(c) if jnp.issubdtype(c.dtype, jnp.inexact) else c, tree)
 
 
 def in_order(fn: Callable[..., List], groups: Sequence[List], *per_group: Sequence) -> List[List]:

@@ -187,18 +187,19 @@ class Lead:
 
     ``taken``: whether a later unit received it. Only then does its cotangent carry a dependence
     (else it is a constant zero, and a gather tied to it could be hoisted anywhere): a unit whose
-    ``Lead`` nobody took, the last, re-gathers as its own forward ends instead.
+    ``Lead`` nobody took, the last, re-gathers once its output's cotangent exists instead.
     """
 
-    def __init__(self, gather, scatter):
-        self.gather, self.scatter, self.taken = gather, scatter, False
+    def __init__(self, gather, scatter, root: bool = False):
+        self.gather, self.scatter, self.taken, self.root = gather, scatter, False, root
 
     @classmethod
     def of_root(cls, params) -> "Lead":
         """The first unit's ``Lead``, made from the params gathered before any unit (the root unit's):
-        the first unit's gather follows the root's, and the root's reduce-scatter follows the first
-        unit's (else XLA merges it with the last unit's, after the whole backward)."""
-        return cls(zero_of(floats(params)), zero_of(floats(params)))
+        the first unit's gather follows the root's. Backward, the first unit's input cotangent waits
+        for its reduce-scatter, so the root's reduce-scatter (after the stem's backward) follows every
+        unit's: else XLA merges it with the last unit's, which then waits for the whole backward."""
+        return cls(zero_of(floats(params)), zero_of([]), root=True)
 
     def arrays(self):
         return (self.gather, self.scatter)
@@ -212,8 +213,8 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
     forward: all-gather the unit's params (``gather(chunks)``) once ``lead``, the previous
     unit's ``Lead``, says so (``Lead``: one unit ahead; the first unit has none and may gather
     at once), and apply the unit. backward: all-gather them again (once the next unit's backward
-    has started; the last unit, as its forward ends); the gather's transpose reduce-scatters the
-    param gradient, after the next unit's reduce-scatter. ``remat`` says what forward keeps for backward:
+    has started; the last unit, once its output's cotangent exists); the gather's transpose
+    reduce-scatters the param gradient, after the next unit's reduce-scatter. ``remat`` says what forward keeps for backward:
 
     - ``"unit"``: only the unit's inputs; backward recomputes the unit (least memory).
     - ``"none"`` (FSDP2's default): the unit's activations, the residuals of its VJP,
@@ -251,46 +252,47 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
 
     def handed_on(arrays, params):
         """The next unit's ``Lead`` (forward values: zeros tied to this unit's input and params)."""
-        return zero_of([first_float(arrays), *floats(params)]), zero_of([])
+        return zero_of([first_float(arrays), *floats(params)]), zero_of([first_float(arrays)])
 
-    def regather(chunks, done, d_anchors):
+    def regather(chunks, dy, d_anchors):
         """The params again, and the gather's transpose (a reduce-scatter): once the next unit's
         backward has started (``d_anchors``: its ``Lead``'s cotangents); the last unit, which has no
-        next, once its own forward is ``done`` (a zero made from its output: FSDP2 keeps the last
-        block's params from forward to backward; here they are gathered again as the forward ends)."""
-        return jax.vjp(gather, after(chunks, d_anchors[0] if _taken(produced) else done))
+        next, once its output's cotangent ``dy`` exists, as FSDP2 does by default (torchtitan keeps the
+        last block's params from forward to backward instead: one unit's params more through the loss)."""
+        return jax.vjp(gather, after(chunks, d_anchors[0] if _taken(produced) else dy))
 
-    def scattered(scatter, d_params, d_anchors, params, dy):
-        """The chunks' gradient, reduce-scattered after the next unit's, and the previous unit's
-        ``Lead`` cotangents: zeros tied to this unit's ``dy`` and params (its re-gather may start)
-        and to the reduce-scattered gradient (its reduce-scatter may start)."""
+    def scattered(scatter, d_params, d_arrays, d_anchors, params, dy):
+        """The chunks' gradient, reduce-scattered after the next unit's; the input's cotangent; and the
+        previous unit's ``Lead`` cotangents, zeros of its types: tied to this unit's ``dy`` and params
+        (its re-gather may start) and to the reduce-scattered gradient (its reduce-scatter may start)."""
         if _taken(produced):
             d_params = after(d_params, d_anchors[1])
         d_chunks = scatter(d_params)[0]
-        if lead is None:  # the first unit's anchors were constants
-            return d_chunks, _zeros(anchors)
-        return d_chunks, (zero_of([first_float(dy), *floats(params)]), zero_of(floats(d_chunks)))
+        if lead is None:  # no previous unit: the anchors were constants
+            return d_chunks, d_arrays, _zeros(anchors)
+        if lead.root:  # see Lead.of_root
+            d_arrays = after(d_arrays, d_chunks)
+        return d_chunks, d_arrays, (zero_of([first_float(dy), *floats(params)], like=anchors[0]),
+                                    zero_of(floats(d_chunks), like=anchors[1]))
 
     def forward(chunks, state, arrays, anchors):
         params = gathered(chunks, anchors)
-        out = apply(params, state, arrays)
-        return (out, handed_on(arrays, params)), zero_of([first_float(out[0])])
+        return apply(params, state, arrays), handed_on(arrays, params)
 
     @jax.custom_vjp
     def run(chunks, state, arrays, anchors):
-        return forward(chunks, state, arrays, anchors)[0]
+        return forward(chunks, state, arrays, anchors)
 
     def recompute_fwd(chunks, state, arrays, anchors):
-        outputs, done = forward(chunks, state, arrays, anchors)
-        return outputs, (chunks, state, arrays, anchors, done)  # no gathered params kept
+        return forward(chunks, state, arrays, anchors), (chunks, state, arrays, anchors)  # no gathered params kept
 
     def recompute_bwd(residuals, cotangents):
-        chunks, state, arrays, anchors, done = residuals
+        chunks, state, arrays, anchors = residuals
         (dy, _), d_anchors = cotangents  # mutated collections (BN running stats) carry no gradient
-        params, scatter = regather(chunks, done, d_anchors)
+        params, scatter = regather(chunks, dy, d_anchors)
         _, pullback = jax.vjp(lambda p, xs: apply(p, state, xs)[0], params, arrays)
         d_params, d_arrays = pullback(dy)
-        d_chunks, d_lead = scattered(scatter, d_params, d_anchors, params, dy)
+        d_chunks, d_arrays, d_lead = scattered(scatter, d_params, d_arrays, d_anchors, params, dy)
         return d_chunks, _zeros(state), d_arrays, d_lead
 
     pullback_shape = []  # set while tracing forward, read while tracing backward
@@ -300,15 +302,14 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         out, pullback, updated = jax.vjp(lambda p, xs: apply(p, state, xs), params, arrays, has_aux=True)
         saved, shape = _without_params(pullback, params)
         pullback_shape[:] = [shape]
-        done = zero_of([first_float(out)])
-        return ((out, updated), handed_on(arrays, params)), (chunks, state, saved, anchors, done)
+        return ((out, updated), handed_on(arrays, params)), (chunks, state, saved, anchors)
 
     def keep_bwd(residuals, cotangents):
-        chunks, state, saved, anchors, done = residuals
+        chunks, state, saved, anchors = residuals
         (dy, _), d_anchors = cotangents
-        params, scatter = regather(chunks, done, d_anchors)
+        params, scatter = regather(chunks, dy, d_anchors)
         d_params, d_arrays = _with_params(saved, pullback_shape[0], params)(dy)
-        d_chunks, d_lead = scattered(scatter, d_params, d_anchors, params, dy)
+        d_chunks, d_arrays, d_lead = scattered(scatter, d_params, d_arrays, d_anchors, params, dy)
         return d_chunks, _zeros(state), d_arrays, d_lead
 
     # remat is checked where the strategy's options are (jaxdp.strategies.options): one of REMATS.
