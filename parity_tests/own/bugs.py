@@ -88,13 +88,15 @@ def _loss_over_wrong_axis(pair: ModelPair) -> ModelPair:
 
 
 def _square_linear_untransposed(corr):
-    from parity_tests.own.correspondence import LAYOUTS, Correspondence, Link
+    import dataclasses
+
+    from parity_tests.own.correspondence import LAYOUTS, Correspondence
 
     link = next((k for k in corr.links if k.layout.name == "linear" and len(set(k.shape)) == 1), None)
     if link is None:
         return corr
-    untransposed = Link(link.torch, link.flax, LAYOUTS["identity"], link.buffer, link.shape)  # BUG: no .T
-    return Correspondence([untransposed if k is link else k for k in corr.links], corr.ignored)
+    untransposed = dataclasses.replace(link, layout=LAYOUTS["identity"])  # BUG: no .T
+    return Correspondence([untransposed if k is link else k for k in corr.links], corr.ignored, corr.tied)
 
 
 @contextlib.contextmanager

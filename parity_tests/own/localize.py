@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from parity_tests.own.correspondence import normalized
+from parity_tests.own.outputs import arrays
 
 BOUND = 1e-10  # float64's
 
@@ -92,9 +93,10 @@ def _torch_outputs(setup, run) -> List[Tuple[str, np.ndarray]]:
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
     batch = {k: torch.from_numpy(v) if v.dtype == np.float64 else torch.from_numpy(v).long()
              for k, v in _micro_batch(setup, run).items()}
+    args, kwargs = setup.pair.arguments("torch", batch)
     try:
         with torch.no_grad():
-            model(*setup.pair.inputs("torch")(batch))
+            model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -110,9 +112,9 @@ def _flax_outputs(setup, run) -> Dict[Tuple[str, ...], np.ndarray]:
         model = flax_model_at(setup.pair.flax_model, "float64")
         variables = setup.corr.to_flax(setup.state_dict, np.float64)
         state = [c for c in variables if c != "params"]
-        _, captured = model.apply(variables, *setup.pair.inputs("flax")(_micro_batch(setup, run)),
-                                  capture_intermediates=True, mutable=["intermediates", *state],
-                                  **dict(setup.pair.flax_kwargs))
+        args, kwargs = setup.pair.arguments("flax", _micro_batch(setup, run))
+        _, captured = model.apply(variables, *args, capture_intermediates=True, mutable=["intermediates", *state],
+                                  **kwargs)
         captured = jax.device_get(captured["intermediates"])
     out: Dict[Tuple[str, ...], np.ndarray] = {}
     _collect(captured, (), out)
@@ -130,11 +132,14 @@ def _collect(tree, path: Tuple[str, ...], out) -> None:
 
 
 def _first_tensor(x) -> Any:
-    if isinstance(x, (tuple, list)):
-        return next((t for t in (_first_tensor(v) for v in x) if t is not None), None)
-    if hasattr(x, "is_floating_point"):  # a torch tensor
-        return x if x.is_floating_point() else None
-    return x if hasattr(x, "shape") and np.issubdtype(getattr(x, "dtype", np.int8), np.floating) else None
+    """A module's output: its first floating array, whatever holds it (a tuple, HF's ModelOutput, ...)."""
+    return next((t for t in arrays(x) if _floating(t)), None)
+
+
+def _floating(t) -> bool:
+    if hasattr(t, "is_floating_point"):  # a torch tensor
+        return t.is_floating_point()
+    return np.issubdtype(t.dtype, np.floating)
 
 
 def _comparable(flax_value: np.ndarray, torch_value: np.ndarray) -> Optional[np.ndarray]:
