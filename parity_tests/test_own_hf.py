@@ -88,3 +88,29 @@ def test_a_difference_is_caught_at_step_0_and_named(pair, bug, module):
     assert not result.passed and (d.step, d.category) == (0, "loss"), result.message()
     assert d.rel_err > 1e-7, result.message()  # float64 noise is ~1e-15
     assert result.finding.module == module, result.finding.message()
+
+
+def test_hf_resnet_lists_and_batchnorm_match_by_themselves():
+    """HF's Flax ResNet keeps each torch ``nn.Sequential`` ``layer`` as a list in a module of that name
+    (``layer/layer_0``, Flax's naming of ``self.layer = [...]``): read as torch's ``layer.0``. Every
+    conv (OIHW -> HWIO), BatchNorm scale, bias and running stat is matched, and none is tied."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+    from transformers.models.resnet.modeling_flax_resnet import FlaxResNetForImageClassificationModule
+
+    from parity_tests.own import ModelPair
+    from parity_tests.own.correspondence import derive
+    from parity_tests.own.setup import _flax_shapes
+
+    config = ResNetConfig(embedding_size=4, hidden_sizes=[4, 8], depths=[1, 1], num_labels=3, layer_type="basic")
+    fmodel, tmodel = FlaxResNetForImageClassificationModule(config), ResNetForImageClassification(config)
+    pair = ModelPair(flax_model=fmodel, torch_model=tmodel, sample_batch=None, flax_loss=None, torch_loss=None)
+    shapes, classes = _flax_shapes(pair, fmodel, np.zeros((1, 12, 12, 3), np.float32))
+    corr = derive(tmodel, shapes, None, classes)
+    by_torch = {link.torch: (link.flax_name, link.layout.name) for link in corr.links}
+    stage = "resnet.encoder.stages.1.layers.0"
+    assert by_torch[f"{stage}.layer.1.convolution.weight"] == (
+        "params/resnet/encoder/stages/1/layers/0/layer/layer_1/convolution/kernel", "conv")
+    assert by_torch[f"{stage}.layer.0.normalization.running_var"][0] == (
+        "batch_stats/resnet/encoder/stages/1/layers/0/layer/layer_0/normalization/var")
+    assert len(corr.links) == len([k for k in tmodel.state_dict() if not k.endswith("num_batches_tracked")])
+    assert corr.tied == {}

@@ -292,6 +292,19 @@ def test_inputs_may_be_positional_keyword_or_both():
         pair.replace(torch_inputs=lambda b: b["tokens"]).arguments("torch", batch)
 
 
+def test_a_model_that_does_not_take_its_inputs_is_refused_in_one_line():
+    from parity_tests.own.setup import prepare
+
+    with pytest.raises(PairError) as e:
+        prepare(factory(functools.partial(_without_mask, ported().ported_pair)), PairRun(**F64))
+    assert str(e.value).startswith("the Flax model's init on flax_inputs(batch) failed: TypeError: ")
+    assert "mask" in str(e.value) and "\n" not in str(e.value)
+
+
+def _without_mask(make):
+    return make().replace(flax_inputs=lambda b: (b["tokens"][:, :-1],))
+
+
 # ----------------------------------------------------------------------------- kinds that differ
 
 def test_a_buffer_that_is_a_flax_param_and_a_frozen_parameter_are_values():
@@ -332,6 +345,25 @@ def test_a_checkpoints_weights_are_kept_exactly_whatever_the_seed():
         prepare(factory("parity_tests.own.ported_pairs:partly_loaded_pair"), PairRun(**F64))
     assert str(e.value) == ("init_from='loaded', but blocks.1.mix.bias differs between two builds of the pair under "
                             "two seeds: drawn by the model's init, not loaded (a tensor the checkpoint lacks?)")
+
+
+def test_two_partials_of_one_factory_have_budgets_of_their_own():
+    """Their label is one ("module:function(...)"); their float32/bf16 budgets must not be."""
+    from parity_tests.own.budget import budget_key
+
+    m, run = ported(), PairRun(**F64)
+    assert factory(m.loaded_pair).label == factory(m.partly_loaded_pair).label
+    assert budget_key(factory(m.loaded_pair), run) != budget_key(factory(m.partly_loaded_pair), run)
+    assert budget_key(factory(m.loaded_pair), run) == budget_key(factory(m.loaded_pair), run)
+
+
+def test_a_channels_last_output_of_a_cube_shape_is_compared_as_channels_first():
+    """NHWC against NCHW where C = H = W: the shape cannot tell, so both layouts are tried (localize)."""
+    from parity_tests.own.localize import _comparable, _rel_err
+
+    nchw = np.random.default_rng(0).standard_normal((2, 4, 4, 4))
+    layouts = _comparable(np.moveaxis(nchw, 1, -1), nchw)
+    assert len(layouts) == 2 and _rel_err(layouts[0], nchw) > 0.1 and _rel_err(layouts[1], nchw) == 0
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -332,6 +332,21 @@ def normalized(parts: Sequence[str]) -> str:
     return ".".join(p for p in out if p)
 
 
+def spellings(parts: Sequence[str]) -> List[str]:
+    """The torch spellings of a Flax module path: ``normalized``, and with a list that lives in a
+    module of its own name read as torch's list (Flax names ``self.layer = [...]`` in a module
+    called ``layer`` ``layer/layer_0``; torch's ``nn.Sequential`` there is ``layer.0``)."""
+    out: List[str] = []
+    for part in parts:
+        index = _INDEX.search(part)
+        if out and index and part[: index.start()] == out[-1]:
+            out[-1] = f"{out[-1]}.{index.group(1)}"
+        else:
+            out.append(part)
+    plain, collapsed = normalized(parts), normalized(out)
+    return [plain] if collapsed == plain else [plain, collapsed]
+
+
 @dataclass
 class _Square:
     """A square 2-D weight whose layout waits for what its classes' other weights say."""
@@ -347,10 +362,11 @@ class _Matcher:
     def __init__(self, flax_shapes: Mapping[Key, tuple], override, flax_classes):
         self.flax_shapes, self.override = flax_shapes, override
         self.traced = flax_classes is not None
-        self.classes = {normalized(path): cls for path, cls in (flax_classes or {}).items()}
-        self.index: Dict[Tuple[str, str], List[Key]] = {}  # (normalised module path, leaf) -> keys
+        self.classes = {spelt: cls for path, cls in (flax_classes or {}).items() for spelt in spellings(path)}
+        self.index: Dict[Tuple[str, str], List[Key]] = {}  # (module path as torch spells it, leaf) -> keys
         for key in flax_shapes:
-            self.index.setdefault((normalized(key[1:-1]), key[-1]), []).append(key)
+            for spelt in spellings(key[1:-1]):
+                self.index.setdefault((spelt, key[-1]), []).append(key)
         self.clashes: List[str] = []
         self.squares = kernels.Squares()
 
@@ -431,9 +447,11 @@ class _Matcher:
                                     f"{'/'.join(key)} {self.flax_shapes[key]}: tie them in Flax too, or untie torch's")
                 flax_tied.add(key)
         flax_modules = {path for path, _ in self.index}
+        unmatched_shapes = {self.flax_shapes[k] for k in flax_only}
         for entry in torch_only:
             twins = [link for link in links if link.shape == entry.shape and link.trains]
-            if entry.buffer or normalized([entry.module_path]) in flax_modules or not twins:
+            could_be_unmatched = {entry.shape, entry.shape[::-1]} & unmatched_shapes  # a name the rules missed
+            if entry.buffer or normalized([entry.module_path]) in flax_modules or not twins or could_be_unmatched:
                 continue
             self.clashes.append(
                 f"torch {entry.name} {entry.shape} has no Flax variable, and torch does not tie it: if Flax ties it to "

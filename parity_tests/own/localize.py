@@ -5,7 +5,7 @@ first module whose output differs is where the two ports disagree; if every modu
 agrees, the losses themselves differ.
 
 A torch module and a Flax module correspond when their paths do (``a.b.0.c`` and
-``a/b_0/c``, ``correspondence.normalized``) or when a linked tensor says so. Outputs are
+``a/b_0/c``, ``correspondence.spellings``) or when a linked tensor says so. Outputs are
 compared as they are, or channels-first against channels-last (a convolution's NCHW
 against NHWC); others are skipped.
 """
@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from parity_tests.own.correspondence import normalized
+from parity_tests.own.correspondence import normalized, spellings
 from parity_tests.own.outputs import arrays
 
 BOUND = 1e-10  # float64's
@@ -46,7 +46,7 @@ def first_difference(setup, run) -> Finding:
     """The first torch module (in the order torch finishes them) whose output differs from its Flax twin's."""
     torch_out = _torch_outputs(setup, run)
     flax_out = _flax_outputs(setup, run)
-    by_path = {normalized(path): path for path in flax_out}
+    by_path = {spelt: path for path in flax_out for spelt in reversed(spellings(path))}
     for link in setup.corr.links:  # a user's mapping of a module's tensors maps the module
         torch_module = link.torch.rsplit(".", 1)[0] if "." in link.torch else ""
         by_path.setdefault(normalized([torch_module]), tuple(link.flax[1:-1]))
@@ -55,13 +55,11 @@ def first_difference(setup, run) -> Finding:
         path = by_path.get(normalized([name]))
         if path is None or path not in flax_out:
             continue
-        f = _comparable(flax_out[path], t)
-        if f is None:
+        layouts = _comparable(flax_out[path], t)
+        if not layouts:
             continue
         compared += 1
-        scale = float(np.abs(t).max()) if t.size else 0.0
-        diff = float(np.abs(f - t).max()) if t.size else 0.0
-        rel = diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+        rel = min(_rel_err(f, t) for f in layouts)
         if rel > BOUND:
             return Finding(name, "/".join(path), rel, compared)
     return Finding(None, None, 0.0, compared)
@@ -142,10 +140,16 @@ def _floating(t) -> bool:
     return np.issubdtype(t.dtype, np.floating)
 
 
-def _comparable(flax_value: np.ndarray, torch_value: np.ndarray) -> Optional[np.ndarray]:
-    """The Flax output laid out as torch's, or None."""
-    if flax_value.shape == torch_value.shape:
-        return flax_value
+def _comparable(flax_value: np.ndarray, torch_value: np.ndarray) -> List[np.ndarray]:
+    """The Flax output in each layout that has torch's shape: as it is, channels last moved first
+    (both, when the shape cannot tell: NHWC and NCHW of 8 x 8 x 8; the closer one counts)."""
+    layouts = [flax_value] if flax_value.shape == torch_value.shape else []
     if torch_value.ndim >= 3 and np.moveaxis(flax_value, -1, 1).shape == torch_value.shape:
-        return np.moveaxis(flax_value, -1, 1)  # channels last -> channels first
-    return None
+        layouts.append(np.moveaxis(flax_value, -1, 1))  # channels last -> channels first
+    return layouts
+
+
+def _rel_err(f: np.ndarray, t: np.ndarray) -> float:
+    scale = float(np.abs(t).max()) if t.size else 0.0
+    diff = float(np.abs(f - t).max()) if t.size else 0.0
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))

@@ -8,6 +8,7 @@ Jax and torch are imported where they are used.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
@@ -80,9 +81,22 @@ def _flax_shapes(pair: ModelPair, model, example):
         classes.setdefault(tuple(ctx.module.path), type(ctx.module))
         return next_fun(*a, **kw)
 
-    with nn.intercept_methods(record):
+    with nn.intercept_methods(record), user_code("the Flax model's init on flax_inputs(batch)"):
         shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
     return shapes, classes
+
+
+@contextlib.contextmanager
+def user_code(what: str):
+    """A pair's own code failing (a model called with the wrong inputs, a loss that does not fit
+    the outputs): ``PairError`` in one line that says where, not a traceback from deep inside."""
+    try:
+        yield
+    except PairError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's code raises
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise PairError(f"{what} failed: {type(e).__name__}: {first}") from e
 
 
 def _one_init(pair: ModelPair, model, corr: Correspondence, run: PairRun, example) -> Dict[str, np.ndarray]:
@@ -122,12 +136,13 @@ def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> No
     import torch
     from torch import nn
 
-    try:
-        jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
-    except flax.errors.InvalidRngError as e:
-        raise PairError(f"the Flax model draws random numbers in training ({str(e).split(' (https')[0]}): dropout "
-                        "cannot match across two random number generators; turn it off for the parity run "
-                        "(rate 0 or deterministic=True)") from None
+    with user_code("the Flax model and flax_loss on flax_inputs(batch)"):
+        try:
+            jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
+        except flax.errors.InvalidRngError as e:
+            raise PairError(f"the Flax model draws random numbers in training ({str(e).split(' (https')[0]}): "
+                            "dropout cannot match across two random number generators; turn it off for the parity "
+                            "run (rate 0 or deterministic=True)") from None
     dropouts = [f"{n} (p={m.p})" for n, m in pair.torch_model.named_modules()
                 if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
     if dropouts:
@@ -140,7 +155,7 @@ def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> No
     args, kwargs = pair.arguments("torch", batch)
     for seed in (1, 2):
         torch.manual_seed(seed)
-        with torch.no_grad():
+        with torch.no_grad(), user_code("the torch model and torch_loss on torch_inputs(batch)"):
             losses.append(pair.torch_loss(probe(*args, **kwargs), batch).mean().item())
     if losses[0] != losses[1]:
         raise PairError("the torch model's loss differs between two runs of one batch (dropout or another random "
