@@ -15,9 +15,10 @@ The attention mask and the position ids come from the batch, by keyword on both 
 
 The batches are right-padded (a random length per row). Left-padded, the two ports differ
 (``left_padded_pair``): on a query row whose keys are all padding, Flax adds ``finfo.min`` to
-every masked key and averages the values, torch's mask gives that row other weights. The loss
-here counts every position, padding included, so the harness sees it: at step 0, and the
-first module whose output differs is ``transformer.h.0.attn.c_proj`` (docs/parity.md).
+every masked key (its softmax as if nothing were masked), torch's ``scaled_dot_product_attention``
+gives that row zeros. The loss here counts every position, padding included, so the harness
+sees it: at step 0, and the first module whose output differs is ``transformer.h.0.attn.c_proj``
+(docs/parity.md, "Porting a Hugging Face model").
 """
 
 import os

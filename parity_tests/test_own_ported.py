@@ -106,12 +106,12 @@ def test_a_tie_on_one_side_only_is_refused_saying_so():
     m = ported()
     pair = m.ported_pair()
     flax_untied = pair.replace(flax_model=pair.flax_model.clone(tie=False))
-    assert ("torch ties head.weight to tok.weight (one tensor), but Flax has its own params/head/kernel (8, 24): "
-            "tie them in Flax too, or untie torch's") in refusal(flax_untied)
+    assert ("head.weight is tied to tok.weight in torch (one tensor), but Flax has its own params/head/kernel "
+            "(8, 24): tie them in Flax too, or untie torch's") in refusal(flax_untied)
     import torch
 
     pair.torch_model.head.weight = torch.nn.Parameter(pair.torch_model.tok.weight.detach().clone())
-    assert ("torch head.weight (24, 8) has no Flax variable, and torch does not tie it: if Flax ties it to "
+    assert ("torch head.weight (24, 8) has no Flax variable and is not tied in torch: if Flax ties it to "
             "params/tok/embedding (torch tok.weight, the same shape), tie them in torch too (head.weight = tok.weight); "
             "else give Flax its own") in refusal(pair)
 

@@ -443,7 +443,7 @@ class _Matcher:
             found = self._by_rules(alias)
             key = found.key if isinstance(found, _Square) else getattr(found, "flax", None)
             if key in flax_only:
-                self.clashes.append(f"torch ties {alias.name} to {name} (one tensor), but Flax has its own "
+                self.clashes.append(f"{alias.name} is tied to {name} in torch (one tensor), but Flax has its own "
                                     f"{'/'.join(key)} {self.flax_shapes[key]}: tie them in Flax too, or untie torch's")
                 flax_tied.add(key)
         flax_modules = {path for path, _ in self.index}
@@ -454,7 +454,7 @@ class _Matcher:
             if entry.buffer or normalized([entry.module_path]) in flax_modules or not twins or could_be_unmatched:
                 continue
             self.clashes.append(
-                f"torch {entry.name} {entry.shape} has no Flax variable, and torch does not tie it: if Flax ties it to "
+                f"torch {entry.name} {entry.shape} has no Flax variable and is not tied in torch: if Flax ties it to "
                 f"{' or '.join(f'{t.flax_name} (torch {t.torch}, the same shape)' for t in twins)}, tie them in torch "
                 f"too ({entry.name} = {twins[0].torch}); else give Flax its own")
             torch_tied.add(entry.name)

@@ -5,7 +5,8 @@ The torch ranks are separate processes (``torch_ref.launcher``: a forkserver), s
 reaches them by name: a *factory*, a module-level function that returns the ``ModelPair``,
 named ``package.module:function`` (or given as the function itself, or a
 ``functools.partial`` of one, which pickles by reference). Each rank imports it and builds
-its own copy; the weights come from the harness, never from the factory's own init.
+its own copy; the weights come from the harness (the one init it made, or the weights the
+factory loaded, copied from the harness's process), never from a rank's own init.
 
 Jax- and torch-free at import: a pair's module is imported only when a run needs it.
 """

@@ -18,8 +18,9 @@ from parity_tests.own.pair import Factory, ModelPair
 
 
 class PairTask:
-    """``step_api``'s task for a pair: dict batches, the pair's inputs and loss (averaged), and
-    the torch buffers the correspondence maps as the compared buffers."""
+    """``step_api``'s task for a pair: dict batches, the pair's inputs (args and kwargs) and loss
+    (averaged; the outputs in their own containers), and the torch buffers the correspondence maps
+    as the compared buffers."""
 
     def __init__(self, pair: ModelPair, buffers: Sequence[str], dtype: str):
         self.pair, self.buffers, self.dtype = pair, frozenset(buffers), dtype
