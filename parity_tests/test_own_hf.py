@@ -51,7 +51,7 @@ def test_a_model_output_reaches_the_loss_as_itself_under_bfloat16():
         assert outputs[0] is outputs.logits is outputs["logits"]
         return m.torch_loss(outputs, batch)
 
-    pair = m.make_pair().replace(torch_loss=loss)
+    pair = m.make_pair().replace(torch_loss=loss, torch_inputs=lambda b: (b["input_ids"],))
     batch = {k: torch.from_numpy(v).long() for k, v in m.sample_batch(np.random.default_rng(0), 2).items()}
     with torch.autocast("cpu", torch.bfloat16):
         PairTask(pair, [], "bfloat16").loss(pair.torch_model, batch)
