@@ -259,6 +259,11 @@ class _Entry:
     def module_path(self) -> str:
         return self.name[: -len(self.leaf)].rstrip(".")
 
+    @property
+    def path(self) -> str:
+        """Its module's path as the Flax index spells it (``normalized``)."""
+        return normalized([self.module_path])
+
 
 def _torch_entries(model) -> Tuple[List[_Entry], List[Tuple[_Entry, str]]]:
     """Every tensor of ``model.state_dict()``, with the module that owns it, in that order; a
@@ -374,12 +379,10 @@ class _Matcher:
         """``entry``'s Link, a ``_Square``, "ignored", "clash" (in ``clashes``) or None (unmatched)."""
         if isinstance(self.override, Mapping) and entry.name in self.override:
             return _user_link(entry, self.override[entry.name], self.flax_shapes, self.clashes)
-        found = self._by_rules(entry)
+        found = self._by_rules(entry, self.clashes)
         if isinstance(found, (_Square, str)):
             return found
         if found is not None and _flax_shape(found, entry.shape) == self.flax_shapes[found.flax]:
-            if found.layout.name in (kernels.TRANSPOSED, kernels.AS_IS) and len(entry.shape) == 2:
-                self.squares.learn(entry.module, self.classes.get(entry.module_path), found.layout.name)
             return found
         return self._by_function(entry) or self._shape_clash(entry, found)
 
@@ -397,19 +400,19 @@ class _Matcher:
                                                     sq.flax_cls))
         return "clash"
 
-    def _by_rules(self, entry: _Entry):
+    def _by_rules(self, entry: _Entry, clashes: List[str]):
         typed = _rule(entry.module).get(entry.leaf)
         for collection, leaf, layout in ([typed] if typed else []) + _by_name(entry):
             keys = self._keys(entry, collection, leaf)
             if len(keys) > 1:
-                self.clashes.append(f"{entry.name} matches several Flax variables ({', '.join('/'.join(k) for k in keys)})")
+                clashes.append(f"{entry.name} matches several Flax variables ({', '.join('/'.join(k) for k in keys)})")
                 return "clash"
             if keys:
                 return self._with_layout(entry, keys[0], layout)
         return None
 
     def _keys(self, entry: _Entry, collection: Optional[str], leaf: str) -> List[Key]:
-        keys = self.index.get((normalized([entry.module_path]), leaf), [])
+        keys = self.index.get((entry.path, leaf), [])
         if collection is not None:
             return [k for k in keys if k[0] == collection]
         # any collection: the one of the tensor's own kind first (a parameter's params, a buffer's state)
@@ -418,11 +421,13 @@ class _Matcher:
 
     def _with_layout(self, entry: _Entry, key: Key, layout: str):
         if layout == KERNEL:
-            flax_cls = self.classes.get(entry.module_path)
+            flax_cls = self.classes.get(entry.path)
             decided = ((kernels.known(entry.module, flax_cls, traced=True) if self.traced else None)
                        or kernels.by_shapes(entry.shape, self.flax_shapes[key]))
             if decided is None and len(set(entry.shape)) == 1 and self.flax_shapes[key] == entry.shape:
                 return _Square(entry, key, flax_cls)
+            if decided is not None:  # what the squares of these two classes will follow
+                self.squares.learn(entry.module, flax_cls, decided)
             layout = decided or kernels.TRANSPOSED  # shapes that fit neither way: refused as they disagree
         return Link(entry.name, key, LAYOUTS[layout], entry.buffer, entry.shape, entry.frozen)
 
@@ -440,7 +445,7 @@ class _Matcher:
         Flax variable at all, of the shape of a variable another torch tensor took."""
         torch_tied, flax_tied = set(), set()
         for alias, name in aliases:
-            found = self._by_rules(alias)
+            found = self._by_rules(alias, [])  # where the rules would put it: no refusal of its own
             key = found.key if isinstance(found, _Square) else getattr(found, "flax", None)
             if key in flax_only:
                 self.clashes.append(f"{alias.name} is tied to {name} in torch (one tensor), but Flax has its own "
@@ -451,7 +456,7 @@ class _Matcher:
         for entry in torch_only:
             twins = [link for link in links if link.shape == entry.shape and link.trains]
             could_be_unmatched = {entry.shape, entry.shape[::-1]} & unmatched_shapes  # a name the rules missed
-            if entry.buffer or normalized([entry.module_path]) in flax_modules or not twins or could_be_unmatched:
+            if entry.buffer or entry.path in flax_modules or not twins or could_be_unmatched:
                 continue
             self.clashes.append(
                 f"torch {entry.name} {entry.shape} has no Flax variable and is not tied in torch: if Flax ties it to "
@@ -566,11 +571,11 @@ def check_units(corr: Correspondence, flax_units: Sequence[Key], torch_units: Se
     torch_groups: Dict[Optional[str], set] = {}
     flax_groups: Dict[Optional[str], set] = {}
     for link in corr.links:
-        if link.buffer:
+        if not link.trains:  # a value that does not train: no FSDP unit shards it on jaxdp's side
             continue
         torch_groups.setdefault(unit_of_torch(link.torch), set()).add(link.torch)
         flax_groups.setdefault(unit_of_flax(link.flax), set()).add(link.torch)
-    params = [link for link in corr.links if not link.buffer]
+    params = [link for link in corr.links if link.trains]
     differ = [link for link in params
               if torch_groups[unit_of_torch(link.torch)] != flax_groups[unit_of_flax(link.flax)]]
     if not differ:
