@@ -5,7 +5,10 @@ step, under every strategy with a torch twin (docs/parity.md, "Your own models")
     result = run_pair("mypackage.pairs:make_pair", PairRun(strategy="zero3", devices=2, dtype="float64"))
 
 - ``pair``: ``ModelPair`` (what the user gives) and the factory every torch rank builds it from;
-- ``correspondence``: which torch tensor is which Flax variable (HF's rules, overridable);
+- ``correspondence``: which torch tensor is which Flax variable (HF's rules, overridable; tied
+  weights; ``kernels``: which way round a 2-D weight is stored on each side);
+- ``outputs``: a model's outputs walked keeping their types; ``held``: the tensors that do not
+  train in torch, compared as values;
 - ``config``: ``PairRun``, a run described with ``jaxdp parity``'s options;
 - ``setup``, ``jax_pair``, ``torch_rank``, ``sides``: one init for both, the batches, the refusals;
   K steps on each side (jaxdp's strategy; torch_ref's ``Runner`` on the launcher's ranks);
@@ -13,6 +16,8 @@ step, under every strategy with a torch twin (docs/parity.md, "Your own models")
 - ``runner``: ``run_pair`` and ``check_pair``; ``localize``: the first module whose output differs;
 - ``bugs``: porting mistakes injected into a pair, which the harness must catch and name;
 - ``toy_pairs``: small pairs for the tests (a BatchNorm MLP, a dropout variant);
+  ``ported_pairs``: one written as real ports are (tied weights, HF's Conv1D, keyword inputs,
+  structured outputs, a buffer that is a Flax param, a checkpoint's weights);
 - ``matrix``: the broad check (every strategy, N = 1..3, every dtype), a slow script.
 
 Jax- and torch-free at import (``jaxdp parity --devices N`` must set XLA's flags first).

@@ -62,9 +62,10 @@ class StepBounds(compare.Bounds):
 
 
 def budget_key(fac, run) -> tuple:
-    """What a budget depends on: not the device count, nor where torch runs."""
+    """What a budget depends on: the factory itself (its label is one for every ``functools.partial``
+    of a function, whatever its arguments), not the device count, nor where torch runs."""
     skip = {"devices", "mesh_shape", "backend", "timeout_s", "torch_cudnn"}
-    return (fac.label,) + tuple((f.name, repr(getattr(run, f.name))) for f in dataclasses.fields(run)
+    return (fac.ref,) + tuple((f.name, repr(getattr(run, f.name))) for f in dataclasses.fields(run)
                                 if f.name not in skip)
 
 

@@ -10,9 +10,10 @@ layernorm_eps           the two sides' LayerNorm epsilons differ: torch's    ste
 missing_bias            one Linear's bias is not applied in torch's          step 0, ``loss`` (its bias is
                         forward (``F.linear(x, W, 0 * b)``: it stays a       not zero); that Linear's output
                         parameter, its gradient 0)                           differs first
-transposed_weight       the correspondence copies one square Linear weight   step 0, ``loss``; that Linear's
-                        without its transpose (shapes agree, so no check     output differs first
-                        of shapes can see it)
+transposed_weight       the correspondence copies one square weight that is  step 0, ``loss``; its module's
+                        transposed (a Linear's, HF's FlaxConv1D's) without   output differs first
+                        its transpose (shapes agree, so no check of shapes
+                        can see it)
 loss_wrong_axis         the Flax loss averages the per-element losses over   step 0, ``loss``; every module's
                         the batch axis only and sums over the others         output agrees (the losses differ)
                         (``l.mean(0).sum()``, not ``l.mean()``)
@@ -88,13 +89,15 @@ def _loss_over_wrong_axis(pair: ModelPair) -> ModelPair:
 
 
 def _square_linear_untransposed(corr):
-    from parity_tests.own.correspondence import LAYOUTS, Correspondence, Link
+    import dataclasses
+
+    from parity_tests.own.correspondence import LAYOUTS, Correspondence
 
     link = next((k for k in corr.links if k.layout.name == "linear" and len(set(k.shape)) == 1), None)
     if link is None:
         return corr
-    untransposed = Link(link.torch, link.flax, LAYOUTS["identity"], link.buffer, link.shape)  # BUG: no .T
-    return Correspondence([untransposed if k is link else k for k in corr.links], corr.ignored)
+    untransposed = dataclasses.replace(link, layout=LAYOUTS["identity"])  # BUG: no .T
+    return Correspondence([untransposed if k is link else k for k in corr.links], corr.ignored, corr.tied)
 
 
 @contextlib.contextmanager
@@ -140,7 +143,7 @@ BUGS = {b.name: b for b in (
             "loss", pair=_torch_layernorm_eps, requires=_needs("a torch LayerNorm", _has_layernorm)),
     PairBug("missing_bias", "one torch Linear's bias not applied in its forward", "loss", pair=_torch_bias_dropped,
             requires=_needs("a torch Linear with a bias", lambda p: _first_linear_with_bias(p.torch_model)[1] is not None)),
-    PairBug("transposed_weight", "one square Linear weight copied without its transpose", "loss",
+    PairBug("transposed_weight", "one square weight copied without its transpose", "loss",
             correspondence=_square_linear_untransposed),
     PairBug("loss_wrong_axis", "the Flax loss averaged over the batch axis only (l.mean(0).sum())", "loss",
             pair=_loss_over_wrong_axis),
@@ -172,7 +175,8 @@ def on_correspondence(name: Optional[str], corr):
         return corr
     out = BUGS[name].correspondence(corr)
     if name == "transposed_weight" and out is corr:
-        raise ParityError("bug transposed_weight cannot show in this run: it needs a square Linear weight")
+        raise ParityError("bug transposed_weight cannot show in this run: it needs a square weight that is "
+                          "transposed (a Linear's against a Dense)")
     return out
 
 

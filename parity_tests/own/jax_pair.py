@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 import numpy as np
 
+from parity_tests.own import held
+from parity_tests.own.outputs import map_arrays
 from parity_tests.own.pair import ModelPair, PairError
 
 # run dtype -> (compute dtype, params' dtype): bfloat16 is bf16 compute on float32 master weights
@@ -45,22 +47,33 @@ def host_batch(batch: Mapping[str, Any], dtype: str) -> Dict[str, np.ndarray]:
 
 def apply_fn(pair: ModelPair, model, dtype: str):
     """``(variables, batch) -> (loss, new model state)``: the model on the batch's inputs, in
-    training (``flax_kwargs``), its non-params collections mutable; the pair's loss, averaged."""
-    import jax
+    training (``flax_kwargs``), its non-params collections mutable (the held params, which do not
+    train, put back among the params and returned as they came); the pair's loss, averaged."""
     import jax.numpy as jnp
 
-    inputs = pair.inputs("flax")
-
     def run(variables, batch):
+        variables, kept = held.joined(variables)
         mutable = [c for c in variables if c != "params"]
-        out = model.apply(variables, *inputs(batch), mutable=mutable or False, **dict(pair.flax_kwargs))
+        args, kwargs = pair.arguments("flax", batch)
+        out = model.apply(variables, *args, mutable=mutable or False, **kwargs)
         outputs, new_state = out if mutable else (out, {})
         if dtype == "bfloat16":  # the loss in float32, as torch's autocast and FSDP2's root policy give it
-            outputs = jax.tree_util.tree_map(
-                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, outputs)
-        return jnp.mean(pair.flax_loss(outputs, batch)), dict(new_state)
+            outputs = map_arrays(outputs, lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+                                 else x)
+        return jnp.mean(pair.flax_loss(outputs, batch)), {**new_state, **kept}
 
     return run
+
+
+def _call_on_batch(pair: ModelPair):
+    """A Flax ``method`` that calls the module on a batch's arguments: jaxdp's task contract takes
+    positional model inputs only (``model.init(rng, *model_inputs(batch), **init_kwargs)``), so
+    the batch is the one input and this method spreads it into the pair's args and kwargs."""
+    def call(module, batch):
+        args, kwargs = pair.arguments("flax", batch)
+        return module(*args, **kwargs)
+
+    return call
 
 
 def task(pair: ModelPair, model, dtype: str):
@@ -73,7 +86,7 @@ def task(pair: ModelPair, model, dtype: str):
         loss, new_state = run({"params": params, **model_state}, batch)
         return loss, (new_state, {})
 
-    return as_task(loss_fn, model_inputs=pair.inputs("flax"), init_kwargs=dict(pair.flax_kwargs))
+    return as_task(loss_fn, model_inputs=lambda batch: (batch,), init_kwargs={"method": _call_on_batch(pair)})
 
 
 def run_jax_pair(p, pair: ModelPair, model, corr, variables: Mapping[str, Any],
@@ -89,8 +102,8 @@ def run_jax_pair(p, pair: ModelPair, model, corr, variables: Mapping[str, Any],
     with jax.enable_x64(cfg.dtype == "float64"):
         p.jax_x64 = bool(jax.config.jax_enable_x64)
         units = {"units": tuple(pair.flax_units)} if "units" in options_of(cfg.strategy) else {}
-        strategy = create_strategy(cfg.strategy, model, task(pair, model, cfg.dtype), optimizer(p),
-                                   make_mesh(cfg.devices), accum_steps=cfg.accum_steps, return_grads=True, **units,
-                                   **p.jax_options)
-        state = strategy.engine.init_state(variables)
+        strategy = create_strategy(cfg.strategy, held.for_strategy(model, corr.held), task(pair, model, cfg.dtype),
+                                   optimizer(p), make_mesh(cfg.devices), accum_steps=cfg.accum_steps,
+                                   return_grads=True, **units, **p.jax_options)
+        state = strategy.engine.init_state(held.split(variables, corr.held))
         return step_records(strategy, state, batches, cfg.optimizer, corr.params_to_torch, corr.state_to_torch)

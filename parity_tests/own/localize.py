@@ -5,7 +5,7 @@ first module whose output differs is where the two ports disagree; if every modu
 agrees, the losses themselves differ.
 
 A torch module and a Flax module correspond when their paths do (``a.b.0.c`` and
-``a/b_0/c``, ``correspondence.normalized``) or when a linked tensor says so. Outputs are
+``a/b_0/c``, ``correspondence.spellings``) or when a linked tensor says so. Outputs are
 compared as they are, or channels-first against channels-last (a convolution's NCHW
 against NHWC); others are skipped.
 """
@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from parity_tests.own.correspondence import normalized
+from parity_tests.own.correspondence import normalized, spellings
+from parity_tests.own.outputs import arrays
 
 BOUND = 1e-10  # float64's
 
@@ -45,7 +46,7 @@ def first_difference(setup, run) -> Finding:
     """The first torch module (in the order torch finishes them) whose output differs from its Flax twin's."""
     torch_out = _torch_outputs(setup, run)
     flax_out = _flax_outputs(setup, run)
-    by_path = {normalized(path): path for path in flax_out}
+    by_path = {spelt: path for path in flax_out for spelt in reversed(spellings(path))}
     for link in setup.corr.links:  # a user's mapping of a module's tensors maps the module
         torch_module = link.torch.rsplit(".", 1)[0] if "." in link.torch else ""
         by_path.setdefault(normalized([torch_module]), tuple(link.flax[1:-1]))
@@ -54,13 +55,11 @@ def first_difference(setup, run) -> Finding:
         path = by_path.get(normalized([name]))
         if path is None or path not in flax_out:
             continue
-        f = _comparable(flax_out[path], t)
-        if f is None:
+        layouts = _comparable(flax_out[path], t)
+        if not layouts:
             continue
         compared += 1
-        scale = float(np.abs(t).max()) if t.size else 0.0
-        diff = float(np.abs(f - t).max()) if t.size else 0.0
-        rel = diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+        rel = min(_rel_err(f, t) for f in layouts)
         if rel > BOUND:
             return Finding(name, "/".join(path), rel, compared)
     return Finding(None, None, 0.0, compared)
@@ -92,9 +91,10 @@ def _torch_outputs(setup, run) -> List[Tuple[str, np.ndarray]]:
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
     batch = {k: torch.from_numpy(v) if v.dtype == np.float64 else torch.from_numpy(v).long()
              for k, v in _micro_batch(setup, run).items()}
+    args, kwargs = setup.pair.arguments("torch", batch)
     try:
         with torch.no_grad():
-            model(*setup.pair.inputs("torch")(batch))
+            model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -110,9 +110,9 @@ def _flax_outputs(setup, run) -> Dict[Tuple[str, ...], np.ndarray]:
         model = flax_model_at(setup.pair.flax_model, "float64")
         variables = setup.corr.to_flax(setup.state_dict, np.float64)
         state = [c for c in variables if c != "params"]
-        _, captured = model.apply(variables, *setup.pair.inputs("flax")(_micro_batch(setup, run)),
-                                  capture_intermediates=True, mutable=["intermediates", *state],
-                                  **dict(setup.pair.flax_kwargs))
+        args, kwargs = setup.pair.arguments("flax", _micro_batch(setup, run))
+        _, captured = model.apply(variables, *args, capture_intermediates=True, mutable=["intermediates", *state],
+                                  **kwargs)
         captured = jax.device_get(captured["intermediates"])
     out: Dict[Tuple[str, ...], np.ndarray] = {}
     _collect(captured, (), out)
@@ -130,17 +130,26 @@ def _collect(tree, path: Tuple[str, ...], out) -> None:
 
 
 def _first_tensor(x) -> Any:
-    if isinstance(x, (tuple, list)):
-        return next((t for t in (_first_tensor(v) for v in x) if t is not None), None)
-    if hasattr(x, "is_floating_point"):  # a torch tensor
-        return x if x.is_floating_point() else None
-    return x if hasattr(x, "shape") and np.issubdtype(getattr(x, "dtype", np.int8), np.floating) else None
+    """A module's output: its first floating array, whatever holds it (a tuple, HF's ModelOutput, ...)."""
+    return next((t for t in arrays(x) if _floating(t)), None)
 
 
-def _comparable(flax_value: np.ndarray, torch_value: np.ndarray) -> Optional[np.ndarray]:
-    """The Flax output laid out as torch's, or None."""
-    if flax_value.shape == torch_value.shape:
-        return flax_value
+def _floating(t) -> bool:
+    if hasattr(t, "is_floating_point"):  # a torch tensor
+        return t.is_floating_point()
+    return np.issubdtype(t.dtype, np.floating)
+
+
+def _comparable(flax_value: np.ndarray, torch_value: np.ndarray) -> List[np.ndarray]:
+    """The Flax output in each layout that has torch's shape: as it is, channels last moved first
+    (both, when the shape cannot tell: NHWC and NCHW of 8 x 8 x 8; the closer one counts)."""
+    layouts = [flax_value] if flax_value.shape == torch_value.shape else []
     if torch_value.ndim >= 3 and np.moveaxis(flax_value, -1, 1).shape == torch_value.shape:
-        return np.moveaxis(flax_value, -1, 1)  # channels last -> channels first
-    return None
+        layouts.append(np.moveaxis(flax_value, -1, 1))  # channels last -> channels first
+    return layouts
+
+
+def _rel_err(f: np.ndarray, t: np.ndarray) -> float:
+    scale = float(np.abs(t).max()) if t.size else 0.0
+    diff = float(np.abs(f - t).max()) if t.size else 0.0
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))

@@ -5,7 +5,8 @@ The torch ranks are separate processes (``torch_ref.launcher``: a forkserver), s
 reaches them by name: a *factory*, a module-level function that returns the ``ModelPair``,
 named ``package.module:function`` (or given as the function itself, or a
 ``functools.partial`` of one, which pickles by reference). Each rank imports it and builds
-its own copy; the weights come from the harness, never from the factory's own init.
+its own copy; the weights come from the harness (the one init it made, or the weights the
+factory loaded, copied from the harness's process), never from a rank's own init.
 
 Jax- and torch-free at import: a pair's module is imported only when a run needs it.
 """
@@ -19,9 +20,14 @@ import os
 import pickle
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from parity_tests.config import ParityError
+
+
+# where both sides' first weights come from: torch's init under the run's seed, Flax's ``init``
+# with it, or the weights the factory loaded into the torch model (a checkpoint: no seed)
+INIT_FROM = ("torch", "flax", "loaded")
 
 
 class PairError(ParityError):
@@ -41,15 +47,17 @@ class ModelPair:
       bfloat16 over float32 params (and ``param_dtype``, if it has one, to the params' dtype).
     - ``torch_model``: an ``nn.Module`` on the CPU; its float32 init (under
       ``torch.manual_seed(seed)``) is copied to both sides (``init_from="flax"``: the Flax
-      model's ``init`` instead).
+      model's ``init`` instead; ``init_from="loaded"``: the weights the factory loaded into it,
+      ``from_pretrained`` or ``load_state_dict``, kept as they are whatever the seed).
     - ``sample_batch(rng, rows)``: ``rows`` rows of data from a ``numpy.random.Generator``.
     - ``flax_loss(outputs, batch)``, ``torch_loss(outputs, batch)``: a scalar, or per-element
       losses that the harness averages (torch's ``reduction="mean"``). Under bfloat16 the
       floating outputs reach the loss in float32 on both sides.
-    - ``flax_inputs(batch)``, ``torch_inputs(batch)``: the model's positional arguments taken
-      from a batch (default ``(batch,)``; ``torch_inputs`` defaults to ``flax_inputs``, which
-      works when it only indexes). ``flax_kwargs``: keyword arguments of every Flax call
-      (``{"train": True}``); the torch model runs in ``train()`` mode.
+    - ``flax_inputs(batch)``, ``torch_inputs(batch)``: the model's arguments taken from a batch:
+      a tuple of positional arguments, a dict of keyword arguments, or both as ``(args, kwargs)``
+      (default ``(batch,)``; ``torch_inputs`` defaults to ``flax_inputs``, which works when it
+      only indexes). ``flax_kwargs``: keyword arguments of every Flax call (``{"train": True}``);
+      the torch model runs in ``train()`` mode.
     - ``correspondence``: what the rules of ``parity_tests.own.correspondence`` cannot match: a
       dict ``{torch name: "collection/flax/path" | (path, layout) | None}`` (None: a torch
       tensor with no Flax counterpart, e.g. a constant buffer, not compared), or a function
@@ -73,10 +81,15 @@ class ModelPair:
     init_from: str = "torch"
     name: str = ""
 
-    def inputs(self, side: str) -> Callable[[Mapping[str, Any]], tuple]:
+    def inputs(self, side: str) -> Callable[[Mapping[str, Any]], Any]:
         """How ``side`` ("flax" or "torch") takes the model's arguments from a batch."""
         flax_inputs = self.flax_inputs or _whole_batch
         return flax_inputs if side == "flax" else (self.torch_inputs or flax_inputs)
+
+    def arguments(self, side: str, batch: Mapping[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
+        """``side``'s call on ``batch`` as ``(args, kwargs)``; the Flax side's ``flax_kwargs`` included."""
+        args, kwargs = call_arguments(self.inputs(side)(batch), f"{side}_inputs")
+        return args, ({**self.flax_kwargs, **kwargs} if side == "flax" else kwargs)
 
     def replace(self, **changes) -> "ModelPair":
         return dataclasses.replace(self, **changes)
@@ -84,6 +97,20 @@ class ModelPair:
 
 def _whole_batch(batch):
     return (batch,)
+
+
+def call_arguments(given: Any, what: str) -> Tuple[tuple, Dict[str, Any]]:
+    """What an inputs function returned, as ``(args, kwargs)``: a tuple (or list) of positional
+    arguments, a dict of keyword arguments, or ``(args, kwargs)``; ``PairError`` otherwise."""
+    if isinstance(given, Mapping):
+        return (), dict(given)
+    if (isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], (tuple, list))
+            and isinstance(given[1], Mapping)):
+        return tuple(given[0]), dict(given[1])
+    if isinstance(given, (tuple, list)):
+        return tuple(given), {}
+    raise PairError(f"{what} returned {type(given).__name__}: it returns the model's arguments as a tuple, "
+                    "a dict of keyword arguments, or (args tuple, kwargs dict)")
 
 
 # ----------------------------------------------------------------------------- the factory
@@ -107,8 +134,9 @@ class Factory:
         pair = make()
         if not isinstance(pair, ModelPair):
             raise PairError(f"{self.label} returned {type(pair).__name__}, not a parity_tests.own.ModelPair")
-        if pair.init_from not in ("torch", "flax"):
-            raise PairError(f"{self.label}: init_from must be 'torch' or 'flax', got {pair.init_from!r}")
+        if pair.init_from not in INIT_FROM:
+            raise PairError(f"{self.label}: init_from must be one of {', '.join(map(repr, INIT_FROM))}, "
+                            f"got {pair.init_from!r}")
         return pair
 
 

@@ -8,6 +8,7 @@ Jax and torch are imported where they are used.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
@@ -17,7 +18,8 @@ import numpy as np
 from parity_tests.inputs import cast
 from parity_tests.own import bugs
 from parity_tests.own.config import PairRun
-from parity_tests.own.correspondence import Correspondence, check_units, derive
+from jaxdp.models.errors import key_listing
+from parity_tests.own.correspondence import Correspondence, as_numpy, check_units, derive
 from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch
 from parity_tests.own.pair import Factory, ModelPair, PairError
 from parity_tests.own.torch_rank import build_pair
@@ -54,9 +56,11 @@ def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None) -> Setup:
     batches = sample(pair, run, run.devices * run.batch_per_device)
     example = {k: v[: run.batch_per_device] for k, v in batches[0].items()}
     with jax.enable_x64(run.dtype == "float64"):
-        shapes = _flax_shapes(pair, model, example)
-        corr = bugs.on_correspondence(bug, derive(pair.torch_model, shapes, pair.correspondence))
+        shapes, classes = _flax_shapes(pair, model, example)
+        corr = bugs.on_correspondence(bug, derive(pair.torch_model, shapes, pair.correspondence, classes))
         state_dict = _one_init(pair, model, corr, run, example)
+        if pair.init_from == "loaded":
+            _check_loaded(fac, bug, run, state_dict)
         corr.check_round_trip(state_dict)
         variables = corr.to_flax(state_dict, param_dtype(run.dtype))
         refuse_dropout(pair, model, variables, example, run.dtype)
@@ -66,23 +70,61 @@ def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None) -> Setup:
 
 
 def _flax_shapes(pair: ModelPair, model, example):
+    """The Flax variables' shapes, and the class of the module at each path (``correspondence.derive``)."""
+    import flax.linen as nn
     import jax
 
-    args = pair.inputs("flax")(example)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **dict(pair.flax_kwargs)))
+    args, kwargs = pair.arguments("flax", example)
+    classes: Dict[tuple, type] = {}
+
+    def record(next_fun, a, kw, ctx):
+        classes.setdefault(tuple(ctx.module.path), type(ctx.module))
+        return next_fun(*a, **kw)
+
+    with nn.intercept_methods(record), user_code("the Flax model's init on flax_inputs(batch)"):
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+    return shapes, classes
+
+
+@contextlib.contextmanager
+def user_code(what: str):
+    """A pair's own code failing (a model called with the wrong inputs, a loss that does not fit
+    the outputs): ``PairError`` in one line that says where, not a traceback from deep inside."""
+    try:
+        yield
+    except PairError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's code raises
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise PairError(f"{what} failed: {type(e).__name__}: {first}") from e
 
 
 def _one_init(pair: ModelPair, model, corr: Correspondence, run: PairRun, example) -> Dict[str, np.ndarray]:
-    """The torch model's init (float32, as built under ``manual_seed(seed)``), or with
+    """The torch model's weights (its init as built under ``manual_seed(seed)``, or with
+    ``init_from="loaded"`` what the factory loaded; a bf16 checkpoint's values exactly), or with
     ``init_from="flax"`` the Flax model's (``init`` with key ``seed``) copied to torch names; in the
-    run's dtype. Torch buffers with no Flax counterpart keep torch's values."""
+    run's dtype. Torch buffers with no Flax counterpart keep torch's values; a tied tensor's
+    second name (``corr.tied``) holds its first name's values."""
     import jax
 
-    own = {k: v.detach().cpu().numpy().copy() for k, v in pair.torch_model.state_dict().items()}
+    own = {k: as_numpy(v).copy() for k, v in pair.torch_model.state_dict().items()}
     if pair.init_from == "flax":
-        variables = model.init(jax.random.key(run.seed), *pair.inputs("flax")(example), **dict(pair.flax_kwargs))
-        own.update(corr.to_torch(jax.device_get(variables)))
+        args, kwargs = pair.arguments("flax", example)
+        own.update(corr.to_torch(jax.device_get(model.init(jax.random.key(run.seed), *args, **kwargs))))
+    own.update({alias: own[name] for alias, name in corr.tied.items()})
     return cast(own, param_dtype(run.dtype))
+
+
+def _check_loaded(fac: Factory, bug: Optional[str], run: PairRun, state_dict: Mapping[str, np.ndarray]) -> None:
+    """``init_from="loaded"``: the pair built under another seed has the very same torch weights,
+    else a tensor was drawn, not loaded (one the checkpoint lacks, which the model initialised)."""
+    other = build_pair(fac, bug, run.seed + 1).torch_model.state_dict()
+    drawn = [name for name, x in other.items()
+             if name in state_dict and not np.array_equal(as_numpy(x).astype(state_dict[name].dtype), state_dict[name])]
+    if drawn:
+        raise PairError(f"init_from='loaded', but {key_listing(drawn)} differ{'s' if len(drawn) == 1 else ''} between "
+                        "two builds of the pair under two seeds: drawn by the model's init, not loaded (a tensor "
+                        "the checkpoint lacks?)")
 
 
 def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> None:
@@ -94,12 +136,13 @@ def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> No
     import torch
     from torch import nn
 
-    try:
-        jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
-    except flax.errors.InvalidRngError as e:
-        raise PairError(f"the Flax model draws random numbers in training ({str(e).split(' (https')[0]}): dropout "
-                        "cannot match across two random number generators; turn it off for the parity run "
-                        "(rate 0 or deterministic=True)") from None
+    with user_code("the Flax model and flax_loss on flax_inputs(batch)"):
+        try:
+            jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
+        except flax.errors.InvalidRngError as e:
+            raise PairError(f"the Flax model draws random numbers in training ({str(e).split(' (https')[0]}): "
+                            "dropout cannot match across two random number generators; turn it off for the parity "
+                            "run (rate 0 or deterministic=True)") from None
     dropouts = [f"{n} (p={m.p})" for n, m in pair.torch_model.named_modules()
                 if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
     if dropouts:
@@ -109,10 +152,11 @@ def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> No
     probe = copy.deepcopy(pair.torch_model).double().train()  # a copy: BatchNorm's running stats stay
     batch = {k: torch.from_numpy(np.asarray(v)).to(torch.float64 if np.issubdtype(v.dtype, np.floating) else torch.int64)
              for k, v in example.items()}
+    args, kwargs = pair.arguments("torch", batch)
     for seed in (1, 2):
         torch.manual_seed(seed)
-        with torch.no_grad():
-            losses.append(pair.torch_loss(probe(*pair.inputs("torch")(batch)), batch).mean().item())
+        with torch.no_grad(), user_code("the torch model and torch_loss on torch_inputs(batch)"):
+            losses.append(pair.torch_loss(probe(*args, **kwargs), batch).mean().item())
     if losses[0] != losses[1]:
         raise PairError("the torch model's loss differs between two runs of one batch (dropout or another random "
                         "draw in its forward): it cannot match across two random number generators")
@@ -124,10 +168,9 @@ def _check_units(pair: ModelPair, model, corr: Correspondence, example) -> None:
     from jaxdp.strategies.units import Units, UnitError, unit_paths
     from torch_ref.strategies import fsdp_blocks
 
-    args = pair.inputs("flax")(example)
+    args, kwargs = pair.arguments("flax", example)
     try:
-        flax_units = unit_paths(Units(pair.flax_units), lambda *a: model.init(jax.random.key(0), *a,
-                                                                              **dict(pair.flax_kwargs)), *args)
+        flax_units = unit_paths(Units(pair.flax_units), lambda: model.init(jax.random.key(0), *args, **kwargs))
     except UnitError as e:
         raise PairError(f"flax_units: {e}") from None
     blocks = set(map(id, fsdp_blocks(pair.torch_model, tuple(pair.torch_units))))

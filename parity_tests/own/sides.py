@@ -33,7 +33,8 @@ def sides(p, fac: Factory, bug: Optional[str], setup, variables=None) -> dict:
     from parity_tests.own.torch_rank import run_torch_pair
 
     t0 = time.perf_counter()
-    torch_records = run_torch_pair(p, fac, bug, setup.state_dict, setup.batches, setup.corr.torch_buffers)
+    torch_records = run_torch_pair(p, fac, bug, setup.state_dict, setup.batches, setup.corr.torch_buffers,
+                                   setup.corr.torch_frozen)
     t1 = time.perf_counter()
     jax_records = run_jax_pair(p, setup.pair, setup.flax_model, setup.corr,
                                setup.variables if variables is None else variables, setup.batches)

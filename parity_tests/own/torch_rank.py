@@ -13,16 +13,17 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from parity_tests.own.outputs import map_arrays
 from parity_tests.own.pair import Factory, ModelPair
 
 
 class PairTask:
-    """``step_api``'s task for a pair: dict batches, the pair's inputs and loss (averaged), and
-    the torch buffers the correspondence maps as the compared buffers."""
+    """``step_api``'s task for a pair: dict batches, the pair's inputs (args and kwargs) and loss
+    (averaged; the outputs in their own containers), and the torch buffers the correspondence maps
+    as the compared buffers."""
 
     def __init__(self, pair: ModelPair, buffers: Sequence[str], dtype: str):
         self.pair, self.buffers, self.dtype = pair, frozenset(buffers), dtype
-        self.inputs = pair.inputs("torch")
 
     def to_device(self, batch: Mapping[str, np.ndarray], device, dtype, memory_format=None):
         import torch
@@ -43,21 +44,14 @@ class PairTask:
     def loss(self, model, micro):
         import torch
 
-        outputs = model(*self.inputs(micro))
+        args, kwargs = self.pair.arguments("torch", micro)
+        outputs = model(*args, **kwargs)
         if self.dtype == "bfloat16":  # the loss in float32, as jaxdp's side computes it
-            outputs = _tree(outputs, lambda t: t.float() if torch.is_floating_point(t) else t)
+            outputs = map_arrays(outputs, lambda t: t.float() if torch.is_floating_point(t) else t)
         return self.pair.torch_loss(outputs, micro).mean(), None
 
     def compared_buffer(self, name: str) -> bool:
         return name in self.buffers
-
-
-def _tree(x, fn):
-    if isinstance(x, (tuple, list)):
-        return type(x)(_tree(v, fn) for v in x)
-    if isinstance(x, dict):
-        return {k: _tree(v, fn) for k, v in x.items()}
-    return fn(x) if hasattr(x, "dtype") else x
 
 
 def build_pair(fac: Factory, bug: Optional[str], seed: int, run=None) -> ModelPair:
@@ -75,9 +69,11 @@ def build_pair(fac: Factory, bug: Optional[str], seed: int, run=None) -> ModelPa
 
 
 def pair_rank_steps(fac: Factory, bug: Optional[str], config: Mapping[str, Any], state_dict: Mapping[str, Any],
-                    batches: List[Mapping[str, np.ndarray]], buffers: Sequence[str]) -> Optional[List[dict]]:
-    """One rank's work: the pair's torch model stepped on this rank's batches (rank 0's records)."""
-    from parity_tests.own import bugs
+                    batches: List[Mapping[str, np.ndarray]], buffers: Sequence[str],
+                    frozen: Sequence[str] = ()) -> Optional[List[dict]]:
+    """One rank's work: the pair's torch model stepped on this rank's batches (rank 0's records;
+    the ``frozen`` parameters, which do not train, recorded as values: ``held.torch_record``)."""
+    from parity_tests.own import bugs, held
     from torch_ref import dist as tdist
     from torch_ref.step_api import build
 
@@ -86,7 +82,7 @@ def pair_rank_steps(fac: Factory, bug: Optional[str], config: Mapping[str, Any],
         runner = build(config, state_dict, model=pair.torch_model, task=PairTask(pair, buffers, config["dtype"]),
                        units=tuple(pair.torch_units))
         records = [runner.step(batch) for batch in batches]
-    return records if tdist.rank() == 0 else None
+    return [held.torch_record(r, frozen) for r in records] if tdist.rank() == 0 else None
 
 
 def per_rank(batches: Sequence[Mapping[str, np.ndarray]], p) -> List[List[Dict[str, np.ndarray]]]:
@@ -108,14 +104,15 @@ def per_rank(batches: Sequence[Mapping[str, np.ndarray]], p) -> List[List[Dict[s
 
 
 def run_torch_pair(p, fac: Factory, bug: Optional[str], state_dict: Mapping[str, np.ndarray],
-                   batches: Sequence[Mapping[str, np.ndarray]], buffers: Sequence[str]) -> List[dict]:
+                   batches: Sequence[Mapping[str, np.ndarray]], buffers: Sequence[str],
+                   frozen: Sequence[str] = ()) -> List[dict]:
     """The plan's torch ranks (``torch_ref.launcher.run_ranks``, gloo or nccl), each in parity mode."""
     from parity_tests.parity_mode import torch_rank_setup
     from torch_ref.launcher import run_ranks
 
     feed = per_rank(batches, p)
     info: Dict[str, Any] = {}
-    args = [(fac, bug, p.torch_config, dict(state_dict), feed[r], list(buffers)) for r in range(p.world)]
+    args = [(fac, bug, p.torch_config, dict(state_dict), feed[r], list(buffers), list(frozen)) for r in range(p.world)]
     out = run_ranks(p.world, pair_rank_steps, args, backend=p.backend, timeout_s=p.cfg.timeout_s, info=info,
                     rank_setup=functools.partial(torch_rank_setup, cudnn=p.cfg.torch_cudnn == "on"))
     p.torch_ranks = info["ranks"]
