@@ -59,6 +59,12 @@ class Units:
         path = "/".join(module.path)
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
+    def paths(self, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List["Path"]:
+        return unit_paths(self, init_fn, *args, with_shapes=with_shapes)
+
+    def on_use(self, gather_unit: Callable):
+        return gather_on_use(self, gather_unit)
+
 
 def unit_paths(units: Units, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
     """The module paths of the outermost unit instances, found by tracing ``init_fn(*args)``
