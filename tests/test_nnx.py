@@ -41,9 +41,9 @@ class Block(nnx.Module):
     """Linear (no bias: BatchNorm removes it, and Adam would amplify its zero gradient's noise),
     BatchNorm, dropout."""
 
-    def __init__(self, rate: float, rngs: nnx.Rngs):
+    def __init__(self, rate: float, rngs: nnx.Rngs, axis_name=None):
         self.lin = nnx.Linear(4, 4, use_bias=False, param_dtype=F64, rngs=rngs)
-        self.bn = float64_stats(nnx.BatchNorm(4, momentum=0.9, param_dtype=F64, rngs=rngs))
+        self.bn = float64_stats(nnx.BatchNorm(4, momentum=0.9, param_dtype=F64, axis_name=axis_name, rngs=rngs))
         self.drop = nnx.Dropout(rate, rngs=rngs)
 
     def __call__(self, x):
@@ -51,10 +51,10 @@ class Block(nnx.Module):
 
 
 class Net(nnx.Module):
-    def __init__(self, rate: float = 0.0, seed: int = 0):
+    def __init__(self, rate: float = 0.0, seed: int = 0, axis_name=None):
         rngs = nnx.Rngs(params=seed, dropout=seed + 1)
         self.inp = nnx.Linear(3, 4, param_dtype=F64, rngs=rngs)
-        self.blocks = nnx.List([Block(rate, rngs) for _ in range(2)])
+        self.blocks = nnx.List([Block(rate, rngs, axis_name) for _ in range(2)])
         self.out = nnx.Linear(4, 2, param_dtype=F64, rngs=rngs)
 
     def __call__(self, x):
@@ -194,3 +194,20 @@ def test_the_trained_module_evaluates_and_the_given_one_is_left_as_it_was():
     want = float(jnp.sum((module(jnp.asarray(data[1]["x"])) - data[1]["y"]) ** 2))
     got = float(trainer.evaluate(state, data[1])["sse"])
     assert abs(got - want) <= 1e-12 * want
+
+
+def test_batchnorm_over_the_data_axis_trains_as_one_device_on_the_whole_batch():
+    """SyncBN the NNX way: ``nnx.BatchNorm(axis_name="data")`` reduces over the devices itself (jaxdp's
+    ``sync_bn`` swaps a Linen model's BatchNorm): ddp on 2 devices is one device on the whole batch."""
+    data = batches(2, 1)
+    model = Net()
+    opt = nnx.Optimizer(model, tx(), wrt=nnx.Param)
+    for batch in data:
+        _, grads = micro_grad(model, batch, 1.0)
+        opt.update(model, grads)
+    trainer = jaxdp.Trainer(Net(axis_name="data"), loss_fn, tx(), jaxdp.DDP(**FAST), jaxdp.make_mesh(data=2))
+    state = trainer.init(jax.random.key(0), data[0])
+    for batch in data:
+        state, _ = trainer.step(state, batch)
+    assert max_rel_error(nnx.state(trainer.model(state), nnx.Not(nnx.RngKey)),
+                         nnx.state(model, nnx.Not(nnx.RngKey))) <= TOL

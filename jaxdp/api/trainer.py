@@ -73,7 +73,12 @@ class Trainer:
                  model_inputs: Optional[Callable] = None, init_kwargs: Optional[dict] = None):
         mesh = mesh if mesh is not None else make_mesh()
         self.nnx = None  # the NNX model, in the shape the strategies take a model (jaxdp.loss.nnx_task)
+        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
         if nnx_state.is_nnx(model):
+            if spec.options.get("sync_bn") or getattr(spec.config, "sync_bn", False):
+                raise validate.UsageError("sync_bn swaps a Linen model's BatchNorm for one that reduces over the data "
+                                          "axes; an nnx.Module's BatchNorm does it itself: build it with "
+                                          "nnx.BatchNorm(..., axis_name='data') and leave sync_bn off")
             model = self.nnx = _nnx_model(model, loss_fn, mesh, model_inputs, init_kwargs)
             try:
                 task = nnx_task.as_task(model, loss_fn, eval_fn)
@@ -91,7 +96,6 @@ class Trainer:
         # Checked at init (``jaxdp.api.validate``): our own classifier and pipelines need no check.
         self._check_loss = not isinstance(task, tasks.Classifier)
         self._default_inputs = model_inputs is None
-        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
         if spec.config is None:  # keywords: checked against the name's options, then typed by the class
             self.strategy = create_strategy(spec.name, model, task, tx, mesh, **spec.options)
         else:  # typed options go to the strategy's class as they are (an option reaches its code in 3 calls)

@@ -95,7 +95,7 @@ class NNXTask:
     def with_model(self, model):
         raise ValueError("sync_bn and a mesh's model or stage axis run a copy of the model that jaxdp prepares, "
                          "which an nnx.Module cannot take: train it data-parallel (ddp, zero1-3, hsdp, dp, async) "
-                         "on a mesh of data axes, with nnx.BatchNorm(axis_name=...) for synchronised statistics")
+                         "on a mesh of data axes, with nnx.BatchNorm(axis_name='data') for synchronised statistics")
 
     def loss_fn(self, params, model_state, batch, rng=None):
         module = self._merged(params, model_state)

@@ -156,5 +156,5 @@ def units_for(model, spec: Sequence[Any]):
 
 
 def _example_paths(module, count: int = 4) -> str:
-    paths = [path_name(p) for p, _ in nnx.iter_modules(module) if p][:count]
+    paths = sorted(path_name(p) for p, _ in nnx.iter_modules(module) if p)[:count]
     return ", ".join(paths) or "(no submodules)"
