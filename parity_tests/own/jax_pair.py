@@ -23,6 +23,10 @@ def flax_model_at(model, dtype: str):
     where it has them. bfloat16 needs the field: it is how a Flax model is told to compute in bf16."""
     import jax.numpy as jnp
 
+    from parity_tests.own import nnx_pair
+
+    if nnx_pair.is_nnx(model):
+        return nnx_pair.model_at(model, dtype)
     compute, params = DTYPES[dtype]
     names = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else set()
     if "dtype" not in names:
@@ -46,21 +50,26 @@ def host_batch(batch: Mapping[str, Any], dtype: str) -> Dict[str, np.ndarray]:
 def apply_fn(pair: ModelPair, model, dtype: str):
     """``(variables, batch) -> (loss, new model state)``: the model on the batch's inputs, in
     training (``flax_kwargs``), its non-params collections mutable; the pair's loss, averaged."""
-    import jax
-    import jax.numpy as jnp
-
     inputs = pair.inputs("flax")
 
     def run(variables, batch):
         mutable = [c for c in variables if c != "params"]
         out = model.apply(variables, *inputs(batch), mutable=mutable or False, **dict(pair.flax_kwargs))
         outputs, new_state = out if mutable else (out, {})
-        if dtype == "bfloat16":  # the loss in float32, as torch's autocast and FSDP2's root policy give it
-            outputs = jax.tree_util.tree_map(
-                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, outputs)
-        return jnp.mean(pair.flax_loss(outputs, batch)), dict(new_state)
+        return pair_loss(pair, outputs, batch, dtype), dict(new_state)
 
     return run
+
+
+def pair_loss(pair: ModelPair, outputs, batch, dtype: str):
+    """The pair's Flax loss on the model's outputs, averaged."""
+    import jax
+    import jax.numpy as jnp
+
+    if dtype == "bfloat16":  # the loss in float32, as torch's autocast and FSDP2's root policy give it
+        outputs = jax.tree_util.tree_map(
+            lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, outputs)
+    return jnp.mean(pair.flax_loss(outputs, batch))
 
 
 def task(pair: ModelPair, model, dtype: str):
@@ -85,11 +94,17 @@ def run_jax_pair(p, pair: ModelPair, model, corr, variables: Mapping[str, Any],
     from jaxdp.strategies import create_strategy, options_of
     from parity_tests.jax_side import optimizer, step_records
 
+    from parity_tests.own import nnx_pair
+
     cfg = p.cfg
     with jax.enable_x64(cfg.dtype == "float64"):
         p.jax_x64 = bool(jax.config.jax_enable_x64)
         units = {"units": tuple(pair.flax_units)} if "units" in options_of(cfg.strategy) else {}
-        strategy = create_strategy(cfg.strategy, model, task(pair, model, cfg.dtype), optimizer(p),
+        if nnx_pair.is_nnx(model):  # its rng state beside the weights, and its own loss form
+            model, pair_task, variables = nnx_pair.trained(pair, model, cfg.dtype, variables)
+        else:
+            pair_task = task(pair, model, cfg.dtype)
+        strategy = create_strategy(cfg.strategy, model, pair_task, optimizer(p),
                                    make_mesh(cfg.devices), accum_steps=cfg.accum_steps, return_grads=True, **units,
                                    **p.jax_options)
         state = strategy.engine.init_state(variables)

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from parity_tests.inputs import cast
-from parity_tests.own import bugs
+from parity_tests.own import bugs, nnx_pair
 from parity_tests.own.config import PairRun
 from parity_tests.own.correspondence import Correspondence, check_units, derive
 from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch
@@ -68,6 +68,8 @@ def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None) -> Setup:
 def _flax_shapes(pair: ModelPair, model, example):
     import jax
 
+    if nnx_pair.is_nnx(model):
+        return jax.eval_shape(lambda: nnx_pair.variables(model))
     args = pair.inputs("flax")(example)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **dict(pair.flax_kwargs)))
 
@@ -79,7 +81,9 @@ def _one_init(pair: ModelPair, model, corr: Correspondence, run: PairRun, exampl
     import jax
 
     own = {k: v.detach().cpu().numpy().copy() for k, v in pair.torch_model.state_dict().items()}
-    if pair.init_from == "flax":
+    if pair.init_from == "flax" and nnx_pair.is_nnx(model):  # built with its params
+        own.update(corr.to_torch(jax.device_get(nnx_pair.variables(model))))
+    elif pair.init_from == "flax":
         variables = model.init(jax.random.key(run.seed), *pair.inputs("flax")(example), **dict(pair.flax_kwargs))
         own.update(corr.to_torch(jax.device_get(variables)))
     return cast(own, param_dtype(run.dtype))
@@ -94,12 +98,17 @@ def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> No
     import torch
     from torch import nn
 
-    try:
-        jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
-    except flax.errors.InvalidRngError as e:
-        raise PairError(f"the Flax model draws random numbers in training ({str(e).split(' (https')[0]}): dropout "
-                        "cannot match across two random number generators; turn it off for the parity run "
-                        "(rate 0 or deterministic=True)") from None
+    if nnx_pair.is_nnx(model):
+        why = nnx_pair.draws(pair, model, example, dtype)
+    else:
+        try:
+            jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
+            why = None
+        except flax.errors.InvalidRngError as e:
+            why = str(e).split(' (https')[0]
+    if why:
+        raise PairError(f"the Flax model draws random numbers in training ({why}): dropout cannot match across two "
+                        "random number generators; turn it off for the parity run (rate 0 or deterministic=True)")
     dropouts = [f"{n} (p={m.p})" for n, m in pair.torch_model.named_modules()
                 if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
     if dropouts:
@@ -126,8 +135,8 @@ def _check_units(pair: ModelPair, model, corr: Correspondence, example) -> None:
 
     args = pair.inputs("flax")(example)
     try:
-        flax_units = unit_paths(Units(pair.flax_units), lambda *a: model.init(jax.random.key(0), *a,
-                                                                              **dict(pair.flax_kwargs)), *args)
+        flax_units = nnx_pair.unit_paths(pair, model) if nnx_pair.is_nnx(model) else unit_paths(
+            Units(pair.flax_units), lambda *a: model.init(jax.random.key(0), *a, **dict(pair.flax_kwargs)), *args)
     except UnitError as e:
         raise PairError(f"flax_units: {e}") from None
     blocks = set(map(id, fsdp_blocks(pair.torch_model, tuple(pair.torch_units))))
