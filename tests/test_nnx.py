@@ -92,16 +92,24 @@ def micro_grad(model, micro, scale):
     return nnx.value_and_grad(lambda m: loss_fn(m, micro, None) * scale)(model)
 
 
-def reference(n, accum, rate=0.0, fold=True):
+def reference(n, accum, rate=0.0, fold=True, staleness=None):
     """A plain NNX loop on one device, no jaxdp: the final model and each step's mean loss
-    (``fold``: each device's rng streams as jaxdp documents them, else all as device 0's)."""
+    (``fold``: each device's rng streams as jaxdp documents them, else all as device 0's;
+    ``staleness``: (k, seed), device r reading the params of d updates ago, d drawn as
+    jaxdp.strategies.async_ps documents it)."""
     model = Net(rate)
     opt = nnx.Optimizer(model, tx(), wrt=nnx.Param)
-    losses = []
-    for batch in batches(n, accum):
+    losses, history = [], []
+    for t, batch in enumerate(batches(n, accum)):
+        history.append(jax.tree_util.tree_map(jnp.copy, nnx.state(model, nnx.Param)))
         grads, kept, loss = None, None, 0.0
         for r in range(n):
             device = fold_keys(nnx.clone(model), r if fold else 0)
+            if staleness is not None:
+                k, seed = staleness
+                d = int(jax.random.randint(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), t), r), (), 0,
+                                           k + 1))
+                nnx.update(device, history[max(0, t - d)])
             for k in range(accum):
                 rows = slice((r * accum + k) * ROWS, (r * accum + k + 1) * ROWS)
                 value, g = micro_grad(device, {key: v[rows] for key, v in batch.items()}, 1.0 / accum)
@@ -211,3 +219,15 @@ def test_batchnorm_over_the_data_axis_trains_as_one_device_on_the_whole_batch():
         state, _ = trainer.step(state, batch)
     assert max_rel_error(nnx.state(trainer.model(state), nnx.Not(nnx.RngKey)),
                          nnx.state(model, nnx.Not(nnx.RngKey))) <= TOL
+
+
+def test_async_and_ddp_compression_train_an_nnx_model():
+    """async with staleness 2 reads the params of up to 2 updates ago as its schedule says; DDP's bf16
+    compression rounds the averaged gradient (bf16's 3e-3, not float64's 1e-16)."""
+    stale = reference(2, 1, staleness=(2, 7))
+    assert_as_reference(trained(jaxdp.AsyncPS(staleness=2, staleness_seed=7, **FAST), 2, 1),
+                        (nnx.state(stale[0], nnx.Not(nnx.RngKey)), stale[1]))
+    fresh = nnx.filter_state(expected(2, 1)[0], nnx.Param)
+    assert max_rel_error(nnx.state(stale[0], nnx.Param), fresh) > 1e-3  # the stale reads change the run
+    state, _ = trained(jaxdp.DDP(compress="bf16", **FAST), 2, 1)
+    assert 1e-6 < max_rel_error(state, expected(2, 1)[0]) < 0.1
