@@ -47,6 +47,11 @@ def test_a_loss_in_the_other_apis_form_both_ways():
     one_line(e, r"^the model is an nnx.Module, whose loss is loss_fn\(model, batch, rng\) -> loss or \(loss, metrics\); "
                 r"this loss_fn takes \(params, model_state, batch, rng\), the Flax Linen form")
     with pytest.raises(jaxdp.UsageError) as e:
+        jaxdp.Trainer(Tiny(), nnx_loss, optax.sgd(0.1), "ddp", jaxdp.make_mesh(data=2),
+                      eval_fn=lambda params, model_state, batch: {})
+    one_line(e, r"^the model is an nnx.Module, whose eval_fn is eval_fn\(model, batch\) -> \{name: sum\}; this one "
+                r"takes \(params, model_state, batch\)$")
+    with pytest.raises(jaxdp.UsageError) as e:
         trainer(nn.Dense(2), nnx_loss)
     one_line(e, r"^the model is a Flax Linen module, whose loss is loss_fn\(params, model_state, batch, rng\) .*; "
                 r"this loss_fn takes \(model, batch, rng\), the NNX form")

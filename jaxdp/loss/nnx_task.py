@@ -183,6 +183,10 @@ def as_task(model: NNXModel, loss_fn: Callable, eval_fn=None) -> NNXTask:
     if names is not None and not is_nnx_form(loss_fn):
         raise NNXLossError(f"the model is an nnx.Module, whose loss is {LOSS_FORM}; this loss_fn takes "
                            f"({', '.join(names)}), the Flax Linen form ({LINEN_FORM}): take the module and call it")
+    eval_names = positional(eval_fn) if eval_fn is not None else None
+    if eval_names is not None and (eval_names[:1] != ["model"] or len(eval_names) != 2):
+        raise NNXLossError(f"the model is an nnx.Module, whose eval_fn is eval_fn(model, batch) -> {{name: sum}}; "
+                           f"this one takes ({', '.join(eval_names)})")
     return NNXTask(model, loss_fn, eval_fn)
 
 
