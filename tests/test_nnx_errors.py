@@ -50,7 +50,7 @@ def test_a_loss_in_the_other_apis_form_both_ways():
         jaxdp.Trainer(Tiny(), nnx_loss, optax.sgd(0.1), "ddp", jaxdp.make_mesh(data=2),
                       eval_fn=lambda params, model_state, batch: {})
     one_line(e, r"^the model is an nnx.Module, whose eval_fn is eval_fn\(model, batch\) -> \{name: sum\}; this one "
-                r"takes \(params, model_state, batch\)$")
+                r"takes \(params, model_state, batch\), the Flax Linen form$")
     with pytest.raises(jaxdp.UsageError) as e:
         trainer(nn.Dense(2), nnx_loss)
     one_line(e, r"^the model is a Flax Linen module, whose loss is loss_fn\(params, model_state, batch, rng\) .*; "

@@ -163,10 +163,12 @@ def _is_array(x) -> bool:
 # ----------------------------------------------------------------------------- the loss's form
 
 def positional(fn) -> Optional[list]:
-    """The names of ``fn``'s positional parameters, or None if it has no signature to read."""
+    """The names of ``fn``'s positional parameters; None if it has no signature to read or takes ``*args``."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
         return None
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
@@ -174,27 +176,26 @@ def positional(fn) -> Optional[list]:
 def is_nnx_form(fn) -> bool:
     """``fn`` reads as ``loss_fn(model, batch[, rng])``: NNX's form (the Linen forms take 4 or 5)."""
     names = positional(fn)
-    return names is not None and names[:1] == ["model"] and len(names) <= 3
+    return names is not None and 2 <= len(names) <= 3
 
 
 def as_task(model: NNXModel, loss_fn: Callable, eval_fn=None) -> NNXTask:
-    """The NNX task, or ``NNXLossError`` in one line for a loss in the Linen form."""
+    """The NNX task, or ``NNXLossError`` in one line for a loss (or eval_fn) in the Linen form."""
     names = positional(loss_fn)
-    if names is not None and not is_nnx_form(loss_fn):
+    if names is not None and len(names) >= 4:
         raise NNXLossError(f"the model is an nnx.Module, whose loss is {LOSS_FORM}; this loss_fn takes "
                            f"({', '.join(names)}), the Flax Linen form ({LINEN_FORM}): take the module and call it")
-    eval_names = positional(eval_fn) if eval_fn is not None else None
-    if eval_names is not None and (eval_names[:1] != ["model"] or len(eval_names) != 2):
+    eval_names = None if eval_fn is None else positional(eval_fn)
+    if eval_names is not None and len(eval_names) >= 3:
         raise NNXLossError(f"the model is an nnx.Module, whose eval_fn is eval_fn(model, batch) -> {{name: sum}}; "
-                           f"this one takes ({', '.join(eval_names)})")
+                           f"this one takes ({', '.join(eval_names)}), the Flax Linen form")
     return NNXTask(model, loss_fn, eval_fn)
 
 
 def linen_refusal(loss_fn) -> Optional[str]:
     """The one line for a Linen model given an NNX-form loss, else None."""
-    if not is_nnx_form(loss_fn) or len(positional(loss_fn)) == 1:
+    if not is_nnx_form(loss_fn):
         return None
     return (f"the model is a Flax Linen module, whose loss is {LINEN_FORM} (or loss_fn(model, params, model_state, "
             f"batch, rng)); this loss_fn takes ({', '.join(positional(loss_fn))}), the NNX form: apply the model "
             "to params, or give the Trainer an nnx.Module")
-
