@@ -2,7 +2,7 @@
 examples/parity_own_model.py written as an ``nnx.Module``, against the same PyTorch original,
 step by step under ddp and zero3 on 2 (simulated) devices, in float64 and in bfloat16.
 
-    python examples/parity_own_model_nnx.py   # ~40 s on 2 CPU cores (4 runs of 3 steps, and the bf16 budgets)
+    python examples/parity_own_model_nnx.py   # ~60 s on 2 CPU cores (as parity_own_model.py, and each torch rank builds the NNX model)
     jaxdp parity --pair examples.parity_own_model_nnx:make_pair --strategy zero3 --devices 2 --dtype float64
 
 The weights match by name and shape as for Linen: an NNX module's attribute paths are its names,
