@@ -25,7 +25,7 @@ backward (``remat="unit"``) draws the masks its forward drew.
 import contextlib
 import fnmatch
 import types
-from typing import Any, Callable, List, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 from flax import nnx
@@ -63,7 +63,7 @@ class NNXUnits:
         return (bool(self.classes) and isinstance(module, self.classes)) or any(
             fnmatch.fnmatchcase("/".join(path), p) for p in self.patterns)
 
-    def paths(self, init_fn: Callable, *args, with_shapes: list = None) -> List[Path]:
+    def paths(self, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
         """The paths of the outermost unit instances, in the order NNX walks the model; like
         ``units.unit_paths``, ``with_shapes`` receives ``init_fn(*args)``'s abstract output."""
         if with_shapes is not None:
