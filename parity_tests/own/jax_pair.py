@@ -25,9 +25,9 @@ def flax_model_at(model, dtype: str):
 
     from parity_tests.own import nnx_pair
 
-    if nnx_pair.is_nnx(model):
-        return nnx_pair.model_at(model, dtype)
     compute, params = DTYPES[dtype]
+    if nnx_pair.is_nnx(model):
+        return nnx_pair.model_at(model, dtype, compute, params)
     names = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else set()
     if "dtype" not in names:
         if dtype == "bfloat16":
@@ -56,20 +56,22 @@ def apply_fn(pair: ModelPair, model, dtype: str):
         mutable = [c for c in variables if c != "params"]
         out = model.apply(variables, *inputs(batch), mutable=mutable or False, **dict(pair.flax_kwargs))
         outputs, new_state = out if mutable else (out, {})
-        return pair_loss(pair, outputs, batch, dtype), dict(new_state)
+        return pair_loss(pair, dtype)(outputs, batch), dict(new_state)
 
     return run
 
 
-def pair_loss(pair: ModelPair, outputs, batch, dtype: str):
-    """The pair's Flax loss on the model's outputs, averaged."""
+def pair_loss(pair: ModelPair, dtype: str):
+    """``(outputs, batch) -> loss``: the pair's Flax loss on the model's outputs, averaged."""
     import jax
     import jax.numpy as jnp
 
-    if dtype == "bfloat16":  # the loss in float32, as torch's autocast and FSDP2's root policy give it
-        outputs = jax.tree_util.tree_map(
-            lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, outputs)
-    return jnp.mean(pair.flax_loss(outputs, batch))
+    def loss(outputs, batch):
+        if dtype == "bfloat16":  # the loss in float32, as torch's autocast and FSDP2's root policy give it
+            outputs = jax.tree_util.tree_map(
+                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, outputs)
+        return jnp.mean(pair.flax_loss(outputs, batch))
+    return loss
 
 
 def task(pair: ModelPair, model, dtype: str):
@@ -101,7 +103,7 @@ def run_jax_pair(p, pair: ModelPair, model, corr, variables: Mapping[str, Any],
         p.jax_x64 = bool(jax.config.jax_enable_x64)
         units = {"units": tuple(pair.flax_units)} if "units" in options_of(cfg.strategy) else {}
         if nnx_pair.is_nnx(model):  # its rng state beside the weights, and its own loss form
-            model, pair_task, variables = nnx_pair.trained(pair, model, cfg.dtype, variables)
+            model, pair_task, variables = nnx_pair.trained(pair, model, pair_loss(pair, cfg.dtype), variables)
         else:
             pair_task = task(pair, model, cfg.dtype)
         strategy = create_strategy(cfg.strategy, model, pair_task, optimizer(p),

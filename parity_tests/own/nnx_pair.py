@@ -22,7 +22,7 @@ Jax and flax are imported where they are used.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from parity_tests.own.pair import ModelPair, PairError
 
@@ -33,15 +33,13 @@ def is_nnx(model) -> bool:
     return nnx_model(model)
 
 
-def model_at(module, dtype: str):
-    """A copy of ``module`` computing in ``dtype``'s compute dtype, its params in the params' dtype."""
+def model_at(module, dtype: str, compute: str, params: str):
+    """A copy of ``module`` for a run in ``dtype``: computing in ``compute``, its params in ``params``."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from parity_tests.own.jax_pair import DTYPES
-
-    compute, params = (jnp.dtype(d) for d in DTYPES[dtype])
+    compute, params = jnp.dtype(compute), jnp.dtype(params)
     copy = nnx.clone(module)
     typed = [m for _, m in nnx.iter_modules(copy) if hasattr(m, "dtype")]
     if dtype == "bfloat16" and not typed:
@@ -64,24 +62,23 @@ def variables(module) -> Dict[str, Any]:
     return {k: v for k, v in own.items() if k in ("params", "batch_stats")}
 
 
-def loss_fn(pair: ModelPair, dtype: str):
-    """The pair's loss in NNX's form, ``loss_fn(model, batch, rng)``."""
-    from parity_tests.own.jax_pair import pair_loss
-
+def loss_fn(pair: ModelPair, loss: Callable):
+    """The pair's loss in NNX's form, ``loss_fn(model, batch, rng)``; ``loss(outputs, batch)`` is the
+    run's (``jax_pair.pair_loss``)."""
     inputs = pair.inputs("flax")
 
     def run(model, batch, rng):
-        return pair_loss(pair, model(*inputs(batch), **dict(pair.flax_kwargs)), batch, dtype)
+        return loss(model(*inputs(batch), **dict(pair.flax_kwargs)), batch)
     return run
 
 
-def trained(pair: ModelPair, module, dtype: str, given: Dict[str, Any]):
+def trained(pair: ModelPair, module, loss: Callable, given: Dict[str, Any]):
     """(model, task, variables) for ``jaxdp.strategies.create_strategy``: the module as the strategies
     take it, its NNX task, and ``given`` (params, batch_stats) with the module's own rng counts."""
     from jaxdp.loss.nnx_task import NNXModel, NNXTask
 
     model = NNXModel(module)
-    return model, NNXTask(model, loss_fn(pair, dtype)), {**model.init(), **given}
+    return model, NNXTask(model, loss_fn(pair, loss)), {**model.init(), **given}
 
 
 def with_weights(module, given: Dict[str, Any]):
@@ -102,13 +99,13 @@ def unit_paths(pair: ModelPair, module) -> List[Tuple[str, ...]]:
     return NNXUnits(pair.flax_units, NNXModel(module)).paths(None)
 
 
-def draws(pair: ModelPair, module, example, dtype: str) -> Optional[str]:
+def draws(pair: ModelPair, module, example, loss: Callable) -> Optional[str]:
     """Why the module's training forward draws random numbers, or None."""
     import jax
 
     from jaxdp.loss.nnx_task import NNXLossError
 
-    model, task, own = trained(pair, module, dtype, {})
+    model, task, own = trained(pair, module, loss, {})
     params = own.pop("params")
 
     def counts(params, state, batch):

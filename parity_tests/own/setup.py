@@ -18,7 +18,7 @@ from parity_tests.inputs import cast
 from parity_tests.own import bugs, nnx_pair
 from parity_tests.own.config import PairRun
 from parity_tests.own.correspondence import Correspondence, check_units, derive
-from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch
+from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch, pair_loss
 from parity_tests.own.pair import Factory, ModelPair, PairError
 from parity_tests.own.torch_rank import build_pair
 
@@ -99,7 +99,7 @@ def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> No
     from torch import nn
 
     if nnx_pair.is_nnx(model):
-        why = nnx_pair.draws(pair, model, example, dtype)
+        why = nnx_pair.draws(pair, model, example, pair_loss(pair, dtype))
     else:
         try:
             jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
