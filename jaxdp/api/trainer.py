@@ -7,9 +7,10 @@
     trainer.save(path, state); state = trainer.restore(path, example_batch)  # any strategy, mesh, N
 
 ``model`` is a Flax NNX ``nnx.Module`` or a Flax Linen module. For an NNX model the loss is NNX's
-``loss_fn(model, batch, rng) -> loss | (loss, metrics)``, called with the module holding this
-step's state (``jaxdp.loss.nnx_task``: BatchNorm statistics, the model's ``nnx.Rngs`` streams), and
-``trainer.model(state)`` gives the trained module back. For a Linen model it is
+``loss_fn(model, batch, rng) -> loss | (loss, metrics)`` (or ``loss_fn(model, batch)``), called
+with the module holding this step's state (``jaxdp.loss.nnx_task``: BatchNorm statistics, the
+model's ``nnx.Rngs`` streams), and ``trainer.model(state)`` gives the trained module back. For a
+Linen model it is
 ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
 ``jaxdp.loss.task``), or ``jaxdp.classifier(model)`` for an image classifier. A loss whose first
 parameter is ``model``, ``loss_fn(model, params, ...)``, receives the model jaxdp prepared

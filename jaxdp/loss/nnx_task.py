@@ -1,7 +1,8 @@
 """The loss contract for a Flax NNX model: ``loss_fn(model, batch, rng) -> loss | (loss, metrics)``.
 
 NNX's own form: ``model`` is the user's ``nnx.Module`` holding this step's state, called as in a
-plain NNX loop; the loss returns the loss, or the loss and a dict of scalar metrics.
+plain NNX loop; the loss returns the loss, or the loss and a dict of scalar metrics
+(``loss_fn(model, batch)`` takes no key).
 ``eval_fn(model, batch) -> {name: per-device sum}`` likewise. The strategies train the
 contract of ``jaxdp.loss.task`` (``loss_fn(params, model_state, batch, rng)``), so each call
 merges the module from the strategy's variables (``nnx_state.Parts``), runs the user's loss on
@@ -46,14 +47,15 @@ class NNXLossError(ValueError):
 class NNXModel:
     """An ``nnx.Module`` in the shape the strategies take a model: ``init`` gives its variables
     (``{"params", "batch_stats", "rng_counts"}``, as its constructor built them: nothing is
-    drawn again) and ``merge`` a module holding given ones. Compared by identity: no two
-    Trainers share a compiled init, which holds the model's values."""
+    drawn again) and ``merge`` a module holding given ones."""
 
     def __init__(self, module):
         self.module = module
         self.parts = Parts(module)
 
-    __hash__ = None  # the init program takes the values as arguments; never cached across models
+    # Unhashable: the engine caches a Linen model's init program by model (engine._init_key); an NNX
+    # model's only places the values it is given, and an entry would keep every module alive.
+    __hash__ = None
 
     def init(self, rng=None, *args, **kwargs):
         return self.parts.variables(self.module)
@@ -87,6 +89,8 @@ class NNXTask:
     def __init__(self, model: NNXModel, loss_fn: Callable, eval_fn: Optional[Callable] = None):
         self.model, self.user_loss_fn, self.user_eval_fn = model, loss_fn, eval_fn
         self.eval_fn = None if eval_fn is None else self._eval
+        names = positional(loss_fn)
+        self.loss_takes_rng = names is None or len(names) >= 3  # loss_fn(model, batch) draws nothing of jaxdp's
 
     @staticmethod
     def model_inputs(batch):
@@ -99,7 +103,7 @@ class NNXTask:
 
     def loss_fn(self, params, model_state, batch, rng=None):
         module = self._merged(params, model_state)
-        out = self._run(self.user_loss_fn, module, batch, rng)
+        out = self._run(self.user_loss_fn, module, batch, *((rng,) if self.loss_takes_rng else ()))
         loss, metrics = _loss_and_metrics(out)
         new_state = self.model.variables(module)
         new_state.pop("params", None)
