@@ -59,7 +59,9 @@ class Units:
         path = "/".join(module.path)
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
-    def paths(self, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List["Path"]:
+    # What ZeRO asks of its units, Linen's or an NNX model's (nnx_units.NNXUnits): where they are, and
+    # running each through ``gather_unit`` while a loss runs.
+    def paths(self, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
         return unit_paths(self, init_fn, *args, with_shapes=with_shapes)
 
     def on_use(self, gather_unit: Callable):
