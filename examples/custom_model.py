@@ -25,17 +25,17 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(nn.LayerNorm()(x), mask=mask)
-        return x + nn.Dense(DIM)(nn.gelu(nn.Dense(4 * DIM)(nn.LayerNorm()(x))))
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4, name="attn")(nn.LayerNorm(name="ln1")(x), mask=mask)
+        return x + nn.Dense(DIM, name="fc2")(nn.gelu(nn.Dense(4 * DIM, name="fc1")(nn.LayerNorm(name="ln2")(x))))
 
 
-class TinyLM(nn.Module):
+class TinyLM(nn.Module):  # its NNX twin, the same names but blocks/0 for blocks_0: examples/custom_model_nnx.py
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(VOCAB, DIM)(tokens) + self.param("pos", nn.initializers.normal(0.02), (SEQ, DIM))
-        for _ in range(2):
-            x = Block()(x)
-        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+        x = nn.Embed(VOCAB, DIM, name="embed")(tokens) + self.param("pos", nn.initializers.normal(0.02), (SEQ, DIM))
+        for i in range(2):
+            x = Block(name=f"blocks_{i}")(x)
+        return nn.Dense(VOCAB, name="head")(nn.LayerNorm(name="ln_f")(x))
 
 
 model = TinyLM()

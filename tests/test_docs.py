@@ -347,16 +347,34 @@ def test_readme_is_one_screen():
     assert len(read("README.md").encode()) <= README_LIMIT
 
 
-def test_readme_api_example_runs(tmp_path, monkeypatch):
-    """The README's API example, with the model and batches of examples/custom_model.py."""
-    monkeypatch.chdir(tmp_path)  # its checkpoint goes there
-    blocks, _ = split_fences(read("README.md"))
-    (code,) = ["\n".join(line for _, line in lines) for language, lines in blocks if language == "python"]
-    assert len(code.splitlines()) <= 15
-    spec = importlib.util.spec_from_file_location("custom_model", os.path.join(ROOT, "examples", "custom_model.py"))
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_readme_api_example_runs(tmp_path, monkeypatch):
+    """The README's API example, NNX first (with the model and batches of examples/custom_model_nnx.py),
+    then its Linen loss on examples/custom_model.py's model, which computes the contract's output."""
+    import jax
+    import optax
+
+    monkeypatch.chdir(tmp_path)  # its checkpoint goes there
+    blocks, _ = split_fences(read("README.md"))
+    nnx_code, linen_code = ["\n".join(line for _, line in lines) for language, lines in blocks if language == "python"]
+    assert len(nnx_code.splitlines()) <= 15 and len(linen_code.splitlines()) <= 4
+    example = _example("custom_model_nnx")
     batches = example.batches(2)
-    namespace = dict(model=example.model, Block=example.Block, example_batch=next(batches), batch=next(batches))
-    exec(code, namespace)
+    namespace = dict(TinyLM=example.TinyLM, Block=example.Block, example_batch=next(batches), batch=next(batches))
+    exec(nnx_code, namespace)
     assert np.isfinite(float(namespace["metrics"]["loss"]))
+    assert isinstance(namespace["model"], example.TinyLM)
+
+    linen = _example("custom_model")
+    namespace = dict(model=linen.model, optax=optax)
+    exec(linen_code, namespace)
+    batch = next(linen.batches(1))
+    variables = jax.jit(linen.model.init)(jax.random.key(0), batch["tokens"][:, :-1])
+    loss, (model_state, metrics) = jax.jit(namespace["loss_fn"])(variables["params"], {}, batch, None)
+    assert np.isfinite(float(loss)) and model_state == {} and metrics == {}

@@ -6,6 +6,11 @@
     state, metrics = trainer.step(state, batch)
     trainer.save(path, state); state = trainer.restore(path, example_batch)  # any strategy, mesh, N
 
+``model`` is a Flax NNX ``nnx.Module`` or a Flax Linen module. For an NNX model the loss is NNX's
+``loss_fn(model, batch, rng) -> loss | (loss, metrics)`` (or ``loss_fn(model, batch)``), called
+with the module holding this step's state (``jaxdp.loss.nnx_task``: BatchNorm statistics, the
+model's ``nnx.Rngs`` streams), and ``trainer.model(state)`` gives the trained module back. For a
+Linen model it is
 ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` (see
 ``jaxdp.loss.task``), or ``jaxdp.classifier(model)`` for an image classifier. A loss whose first
 parameter is ``model``, ``loss_fn(model, params, ...)``, receives the model jaxdp prepared
@@ -19,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxdp.api import validate
 from jaxdp.checkpoint import saving
-from jaxdp.loss import model_task, task as tasks
-from jaxdp.runtime.mesh import make_mesh
+from jaxdp.loss import model_task, nnx_state, nnx_task, task as tasks
+from jaxdp.runtime.mesh import MODEL_AXIS, STAGE_AXIS, MeshDims, make_mesh
 from jaxdp.config.step import StrategyOptions
 from jaxdp.strategies import create_strategy, engine_of
 
@@ -66,17 +72,31 @@ def AsyncPS(staleness: int = 0, **options) -> StrategySpec:  # noqa: N802
 class Trainer:
     def __init__(self, model, loss_fn, tx, strategy: Any = "ddp", mesh=None, *, eval_fn: Optional[Callable] = None,
                  model_inputs: Optional[Callable] = None, init_kwargs: Optional[dict] = None):
-        if isinstance(loss_fn, tasks.Classifier):
+        mesh = mesh if mesh is not None else make_mesh()
+        self.nnx = None  # the NNX model, in the shape the strategies take a model (jaxdp.loss.nnx_task)
+        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
+        if nnx_state.is_nnx(model):
+            if spec.options.get("sync_bn") or getattr(spec.config, "sync_bn", False):
+                raise validate.UsageError("sync_bn swaps a Linen model's BatchNorm for one that reduces over the data "
+                                          "axes; an nnx.Module's BatchNorm does it itself: build it with "
+                                          "nnx.BatchNorm(..., axis_name='data') and leave sync_bn off")
+            model = self.nnx = _nnx_model(model, loss_fn, mesh, model_inputs, init_kwargs)
+            try:
+                task = nnx_task.as_task(model, loss_fn, eval_fn)
+            except nnx_task.NNXLossError as e:
+                raise validate.UsageError(str(e)) from None
+        elif isinstance(loss_fn, tasks.Classifier):
             task = loss_fn
         elif callable(loss_fn):
+            refusal = nnx_task.linen_refusal(loss_fn)
+            if refusal:
+                raise validate.UsageError(refusal)
             task = model_task.as_task(model, loss_fn, eval_fn, model_inputs, init_kwargs)
         else:
             raise TypeError(f"loss_fn must be callable (or jaxdp.classifier(model)), got {type(loss_fn).__name__}")
         # Checked at init (``jaxdp.api.validate``): our own classifier and pipelines need no check.
         self._check_loss = not isinstance(task, tasks.Classifier)
         self._default_inputs = model_inputs is None
-        spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
-        mesh = mesh if mesh is not None else make_mesh()
         if spec.config is None:  # keywords: checked against the name's options, then typed by the class
             self.strategy = create_strategy(spec.name, model, task, tx, mesh, **spec.options)
         else:  # typed options go to the strategy's class as they are (an option reaches its code in 3 calls)
@@ -124,6 +144,17 @@ class Trainer:
         """The full params and optimizer state (DDP's layout), e.g. to export or compare."""
         return self.strategy.engine.canonical(state)
 
+    def model(self, state):
+        """An NNX model's trained module: a new ``nnx.Module`` holding the whole state (params,
+        BatchNorm statistics, rng counts; gathered from any strategy's layout, on the default
+        device), to evaluate or export. The module given to the Trainer is left as it was."""
+        if self.nnx is None:
+            raise validate.UsageError("trainer.model(state) gives back an nnx.Module; this Trainer trains a Flax "
+                                      "Linen model, whose variables are trainer.canonical(state).params")
+        whole = jax.device_get(self.canonical(state))
+        variables = {"params": whole.params, **whole.model_state}
+        return self.nnx.merge(jax.tree_util.tree_map(jnp.asarray, variables))
+
     def _check(self, example_batch):
         """One-line errors for a bad batch or loss_fn, before anything compiles (``jaxdp.api.validate``)."""
         validate.batch_rows(example_batch)
@@ -141,3 +172,22 @@ class Trainer:
 
 def classifier(model):
     return tasks.classifier(model)
+
+
+def _nnx_model(module, loss_fn, mesh, model_inputs, init_kwargs) -> nnx_task.NNXModel:
+    """An NNX module as the strategies take it, or one line for what cannot train it."""
+    if isinstance(loss_fn, tasks.Classifier):
+        raise validate.UsageError("jaxdp.classifier(model) applies a Flax Linen model; for an nnx.Module write "
+                                  f"{nnx_task.LOSS_FORM}")
+    if model_inputs is not None or init_kwargs:
+        raise validate.UsageError("model_inputs and init_kwargs tell jaxdp how to call a Linen model's init; an "
+                                  "nnx.Module is built already: drop them")
+    dims = MeshDims.of(mesh)
+    if dims.size(MODEL_AXIS) > 1 or dims.size(STAGE_AXIS) > 1:
+        raise validate.UsageError("tensor and pipeline parallelism split Flax Linen models (jaxdp.parallel.protocol); "
+                                  "train an nnx.Module data-parallel, on a mesh of data axes (jaxdp.make_mesh(data=N)): "
+                                  "ZeRO-3 with units shards its params and gathers them block by block")
+    try:
+        return nnx_task.NNXModel(module)
+    except nnx_state.NNXStateError as e:
+        raise validate.UsageError(str(e)) from None

@@ -10,6 +10,7 @@ batch axes) cannot be traced outside it: its check is left to the step.
 import jax
 import numpy as np
 
+from jaxdp.loss import nnx_state, nnx_task
 from jaxdp.strategies.layout import shapes_of
 
 CONTRACT = "loss_fn must return (loss, (model_state, metrics))"
@@ -71,6 +72,8 @@ def loss_fn(strategy, example_batch, default_inputs: bool) -> None:
         out = jax.eval_shape(strategy.task.loss_fn, params, variables, micro, jax.random.key(0))
     except NameError:  # an axis name (psum over the batch axes): it runs only inside the mesh
         return
+    except (nnx_task.NNXLossError, nnx_state.NNXStateError) as e:  # an NNX loss's or model's own check
+        raise UsageError(str(e)) from None
     check_output(out)
 
 

@@ -79,6 +79,20 @@ def in_step(context: Optional[StepContext]):
         _CONTEXT.reset(token)
 
 
+def device_index(axes):
+    """This device's linear index over ``axes`` (row-major, as the batch is split)."""
+    index = 0
+    for a in axes if isinstance(axes, tuple) else (axes,):
+        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return index
+
+
+def step_device_index():
+    """This device's index over the batch axes of the step being traced; 0 outside a step."""
+    context = current()
+    return 0 if context is None else device_index(context.batch_axes)
+
+
 # ----------------------------------------------------------------------------- clipping
 
 def global_sum_of_squares(tree):

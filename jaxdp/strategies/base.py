@@ -23,6 +23,7 @@ from jaxdp.runtime import compile_options
 from jaxdp.runtime.mesh import DATA_AXIS, MeshDims, MeshError
 from jaxdp.parallel import pipeline, protocol, staged, tensor
 from jaxdp.config.step import StrategyOptions
+from jaxdp.loss.nnx_task import NNXModel
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.sync import Where
@@ -158,6 +159,11 @@ class Strategy(StepReductions):
     # -- learning the model's structure (abstractly: nothing is computed) -------------------------
     def init_fn(self, rng, batch):
         return self.init_model.init(rng, *self.task.model_inputs(batch), **self.task.init_kwargs)
+
+    def held_variables(self):
+        """An NNX model's variables as its constructor built them (``init`` draws none); None for a
+        Linen model, whose ``init`` draws them."""
+        return self.init_model.init() if isinstance(self.init_model, NNXModel) else None
 
     def learn_structure(self, batch) -> None:
         """Read what the strategy needs from the model once, from a (local or global) batch's shapes."""

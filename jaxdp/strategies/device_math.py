@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxdp.loss import reductions, task as tasks
+from jaxdp.loss.reductions import device_index  # noqa: F401 (the loss layer's: an NNX model's rng keys read it)
 from jaxdp.strategies.errors import StrategyError
 
 
@@ -109,14 +110,6 @@ def sum_of_squares(tree, specs):
         g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
         sums[axes] = sums.get(axes, 0.0) + jnp.sum(g * g)
     return sum(jax.lax.psum(v, axes) if axes else v for axes, v in sums.items())
-
-
-def device_index(axes):
-    """This device's linear index over ``axes`` (row-major, as the batch is split)."""
-    index = 0
-    for a in as_tuple(axes):
-        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
-    return index
 
 
 def as_tuple(axes):

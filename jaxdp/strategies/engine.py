@@ -87,14 +87,17 @@ class ShardMapEngine(Engine):
         s.learn_structure(example_batch)
         batch = layout.shapes_of(example_batch)
         place, padded = s.placement, s.sharded_params
+        # An NNX model's constructor built its variables: they enter as arguments (closed over, XLA
+        # would embed every param in the program as a constant).
+        held = s.held_variables()
 
-        def make(rng):
-            variables = dict(s.init_fn(rng, layout.zeros(batch)))
+        def make(rng, held=None):
+            variables = dict(s.init_fn(rng, layout.zeros(batch)) if held is None else held)
             params = variables.pop("params")
             s.shapes = layout.shapes_of(params)
             return place.tree(lambda path, x: place.to_state(path, x, padded), params, "params"), variables
 
-        shapes = jax.eval_shape(make, jax.random.key(0))
+        shapes = jax.eval_shape(make, jax.random.key(0), held)
         key = _init_key(s, batch)
         init_params = _INIT_PROGRAMS.get(key) if key is not None else None
         if init_params is None:
@@ -109,7 +112,7 @@ class ShardMapEngine(Engine):
         opt_init = (lambda p: s.tx.init(place.tree(place.pad, p, "params"))) if pad_for_opt else s.tx.init
         init_opt = jax.jit(opt_init, out_shardings=self.shardings(place.opt_specs(
             s.tx, jax.eval_shape(opt_init, shapes[0]), s.shapes, s.sharded_opt_state)))
-        return init_params, init_opt
+        return (init_params if held is None else functools.partial(init_params, held=held)), init_opt
 
     def shardings(self, specs):
         return jax.tree_util.tree_map(lambda spec: NamedSharding(self.strategy.mesh, spec), specs,

@@ -35,7 +35,8 @@ class PmapEngine(Engine):
         s = self.strategy
         s.learn_structure(example_batch)
         batch = layout.shapes_of(example_batch)
-        return self.init_state(jax.jit(lambda r: s.init_fn(r, layout.zeros(batch)))(rng))
+        held = s.held_variables()  # an NNX model's own, built by its constructor
+        return self.init_state(jax.jit(lambda r: s.init_fn(r, layout.zeros(batch)))(rng) if held is None else held)
 
     def from_canonical(self, state):
         self.strategy.shapes = layout.shapes_of(state.params)

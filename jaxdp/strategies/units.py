@@ -59,6 +59,14 @@ class Units:
         path = "/".join(module.path)
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
+    # What ZeRO asks of its units, Linen's or an NNX model's (nnx_units.NNXUnits): where they are, and
+    # running each through ``gather_unit`` while a loss runs.
+    def paths(self, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
+        return unit_paths(self, init_fn, *args, with_shapes=with_shapes)
+
+    def on_use(self, gather_unit: Callable):
+        return gather_on_use(self, gather_unit)
+
 
 def unit_paths(units: Units, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
     """The module paths of the outermost unit instances, found by tracing ``init_fn(*args)``

@@ -56,7 +56,8 @@ from jaxdp.strategies.factsheet import Facts
 from jaxdp.strategies.options import refuse_untaken
 from jaxdp.strategies.sync.allreduce import AllReduce, bucket_limits, refuse_with_tensor_parallel
 from jaxdp.strategies.sync.sharded import GatherOnUse, ReduceScatter, all_gather
-from jaxdp.strategies.units import Lead, Units, fsdp_unit, gather_on_use, in_unit, unit_paths
+from jaxdp.strategies.nnx_units import units_for
+from jaxdp.strategies.units import Lead, fsdp_unit, in_unit
 
 # Why a stage refuses an option another name takes (its facts' ``why_not``; ``strategies.options`` says it).
 REASONS = {
@@ -132,7 +133,7 @@ class ZeRO(Strategy):
         self.sync = (AllReduce.of(o, powersgd_options) if stage == 1
                      else ReduceScatter() if stage == 2 else GatherOnUse(REPLICA_AXIS if hsdp else None))
         self.check_vma = o.allreduce != "ring"
-        self.units = Units(units)
+        self.units = units_for(model, units)  # Linen's or an NNX model's (nnx_units.py)
         # What a unit keeps for backward, bound where the option is read: each unit runs
         # fsdp_unit with it (--remat reaches it in three calls: docs/architecture.md).
         self.run_unit = functools.partial(fsdp_unit, remat=o.remat)
@@ -153,7 +154,7 @@ class ZeRO(Strategy):
         if not self.units:
             return super().learn_units(init, batch)
         shapes = []
-        self.unit_paths = unit_paths(self.units, init, batch, with_shapes=shapes)  # traces init once: the order too
+        self.unit_paths = self.units.paths(init, batch, with_shapes=shapes)  # traces init once: the order too
         return shapes[0]
 
     # -- per device -----------------------------------------------------------------------------
@@ -225,7 +226,7 @@ class ZeRO(Strategy):
             root = [p for path, p in jax.tree_util.tree_leaves_with_path(params)
                     if not in_unit(leaf_path(path), self.unit_paths)]
             leads = [Lead.of_root(root)]  # then each unit's, in order
-            with gather_on_use(self.units, functools.partial(gather_unit, leads)):
+            with self.units.on_use(functools.partial(gather_unit, leads)):
                 return loss_fn(params, model_state, batch, key)
         return run
 

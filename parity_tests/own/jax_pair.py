@@ -25,7 +25,11 @@ def flax_model_at(model, dtype: str):
     where it has them. bfloat16 needs the field: it is how a Flax model is told to compute in bf16."""
     import jax.numpy as jnp
 
+    from parity_tests.own import nnx_pair
+
     compute, params = DTYPES[dtype]
+    if nnx_pair.is_nnx(model):
+        return nnx_pair.model_at(model, dtype, compute, params)
     names = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else set()
     if "dtype" not in names:
         if dtype == "bfloat16":
@@ -49,7 +53,7 @@ def apply_fn(pair: ModelPair, model, dtype: str):
     """``(variables, batch) -> (loss, new model state)``: the model on the batch's inputs, in
     training (``flax_kwargs``), its non-params collections mutable (the held params, which do not
     train, put back among the params and returned as they came); the pair's loss, averaged."""
-    import jax.numpy as jnp
+    loss = pair_loss(pair, dtype)
 
     def run(variables, batch):
         variables, kept = held.joined(variables)
@@ -57,12 +61,21 @@ def apply_fn(pair: ModelPair, model, dtype: str):
         args, kwargs = pair.arguments("flax", batch)
         out = model.apply(variables, *args, mutable=mutable or False, **kwargs)
         outputs, new_state = out if mutable else (out, {})
+        return loss(outputs, batch), {**new_state, **kept}
+
+    return run
+
+
+def pair_loss(pair: ModelPair, dtype: str):
+    """``(outputs, batch) -> loss``: the pair's Flax loss on the model's outputs, averaged."""
+    import jax.numpy as jnp
+
+    def loss(outputs, batch):
         if dtype == "bfloat16":  # the loss in float32, as torch's autocast and FSDP2's root policy give it
             outputs = map_arrays(outputs, lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
                                  else x)
-        return jnp.mean(pair.flax_loss(outputs, batch)), {**new_state, **kept}
-
-    return run
+        return jnp.mean(pair.flax_loss(outputs, batch))
+    return loss
 
 
 def _call_on_batch(pair: ModelPair):
@@ -97,13 +110,18 @@ def run_jax_pair(p, pair: ModelPair, model, corr, variables: Mapping[str, Any],
     from jaxdp.runtime.mesh import make_mesh
     from jaxdp.strategies import create_strategy, options_of
     from parity_tests.jax_side import optimizer, step_records
+    from parity_tests.own import nnx_pair
 
     cfg = p.cfg
     with jax.enable_x64(cfg.dtype == "float64"):
         p.jax_x64 = bool(jax.config.jax_enable_x64)
         units = {"units": tuple(pair.flax_units)} if "units" in options_of(cfg.strategy) else {}
-        strategy = create_strategy(cfg.strategy, held.for_strategy(model, corr.held), task(pair, model, cfg.dtype),
-                                   optimizer(p), make_mesh(cfg.devices), accum_steps=cfg.accum_steps,
-                                   return_grads=True, **units, **p.jax_options)
-        state = strategy.engine.init_state(held.split(variables, corr.held))
+        if nnx_pair.is_nnx(model):  # its rng state beside the weights, and its own loss form
+            model, pair_task, variables = nnx_pair.trained(pair, model, pair_loss(pair, cfg.dtype), variables)
+        else:
+            pair_task = task(pair, model, cfg.dtype)
+            model, variables = held.for_strategy(model, corr.held), held.split(variables, corr.held)
+        strategy = create_strategy(cfg.strategy, model, pair_task, optimizer(p), make_mesh(cfg.devices),
+                                   accum_steps=cfg.accum_steps, return_grads=True, **units, **p.jax_options)
+        state = strategy.engine.init_state(variables)
         return step_records(strategy, state, batches, cfg.optimizer, corr.params_to_torch, corr.state_to_torch)

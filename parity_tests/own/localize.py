@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from parity_tests.own import nnx_pair
 from parity_tests.own.correspondence import normalized, spellings
 from parity_tests.own.outputs import arrays
 
@@ -109,6 +110,11 @@ def _flax_outputs(setup, run) -> Dict[Tuple[str, ...], np.ndarray]:
     with jax.enable_x64(True):
         model = flax_model_at(setup.pair.flax_model, "float64")
         variables = setup.corr.to_flax(setup.state_dict, np.float64)
+        if nnx_pair.is_nnx(model):
+            module = nnx_pair.with_weights(model, variables)
+            return {path: np.asarray(_first_tensor(v), np.float64)
+                    for path, v in nnx_pair.outputs(setup.pair, module, _micro_batch(setup, run)).items()
+                    if _first_tensor(v) is not None}
         state = [c for c in variables if c != "params"]
         args, kwargs = setup.pair.arguments("flax", _micro_batch(setup, run))
         _, captured = model.apply(variables, *args, capture_intermediates=True, mutable=["intermediates", *state],

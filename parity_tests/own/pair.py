@@ -45,6 +45,10 @@ class ModelPair:
     - ``flax_model``: a ``flax.linen.Module``. If it has a ``dtype`` field (the compute dtype its
       layers take, Flax's convention) the harness sets it to the run's: float64, float32, or
       bfloat16 over float32 params (and ``param_dtype``, if it has one, to the params' dtype).
+      Or a Flax NNX ``nnx.Module``, built with its params: the harness sets the ``dtype``
+      attribute of every submodule that has one and casts its Params and BatchStats to the
+      params' dtype (``parity_tests.own.nnx_pair``); its names are its attribute paths
+      (``blocks/0/qkv``), and it trains through jaxdp's NNX path.
     - ``torch_model``: an ``nn.Module`` on the CPU; its float32 init (under
       ``torch.manual_seed(seed)``) is copied to both sides (``init_from="flax"``: the Flax
       model's ``init`` instead; ``init_from="loaded"``: the weights the factory loaded into it,
@@ -63,7 +67,7 @@ class ModelPair:
       tensor with no Flax counterpart, e.g. a constant buffer, not compared), or a function
       ``(torch name, torch shape) -> path | (path, layout) | None`` (None: no opinion).
     - ``flax_units``, ``torch_units``: the FSDP units for zero2/zero3/hsdp, module classes or
-      path patterns (Flax: '/'-joined, ``"blocks_*"``; torch: '.'-joined, ``"blocks.*"``).
+      path patterns (Flax: '/'-joined, ``"blocks_*"``, NNX ``"blocks/*"``; torch: '.'-joined, ``"blocks.*"``).
       They must cut the model alike (checked through the correspondence).
     """
 

@@ -16,11 +16,11 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from parity_tests.inputs import cast
-from parity_tests.own import bugs
+from parity_tests.own import bugs, nnx_pair
 from parity_tests.own.config import PairRun
 from jaxdp.models.errors import key_listing
 from parity_tests.own.correspondence import Correspondence, as_numpy, check_units, derive
-from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch
+from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch, pair_loss
 from parity_tests.own.pair import Factory, ModelPair, PairError
 from parity_tests.own.torch_rank import build_pair
 
@@ -74,6 +74,8 @@ def _flax_shapes(pair: ModelPair, model, example):
     import flax.linen as nn
     import jax
 
+    if nnx_pair.is_nnx(model):
+        return jax.eval_shape(lambda: nnx_pair.variables(model)), nnx_pair.module_classes(model)
     args, kwargs = pair.arguments("flax", example)
     classes: Dict[tuple, type] = {}
 
@@ -108,7 +110,9 @@ def _one_init(pair: ModelPair, model, corr: Correspondence, run: PairRun, exampl
     import jax
 
     own = {k: as_numpy(v).copy() for k, v in pair.torch_model.state_dict().items()}
-    if pair.init_from == "flax":
+    if pair.init_from == "flax" and nnx_pair.is_nnx(model):  # built with its params
+        own.update(corr.to_torch(jax.device_get(nnx_pair.variables(model))))
+    elif pair.init_from == "flax":
         args, kwargs = pair.arguments("flax", example)
         own.update(corr.to_torch(jax.device_get(model.init(jax.random.key(run.seed), *args, **kwargs))))
     own.update({alias: own[name] for alias, name in corr.tied.items()})
@@ -137,12 +141,17 @@ def refuse_dropout(pair: ModelPair, model, variables, example, dtype: str) -> No
     from torch import nn
 
     with user_code("the Flax model and flax_loss on flax_inputs(batch)"):
-        try:
-            jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
-        except flax.errors.InvalidRngError as e:
-            raise PairError(f"the Flax model draws random numbers in training ({str(e).split(' (https')[0]}): "
-                            "dropout cannot match across two random number generators; turn it off for the parity "
-                            "run (rate 0 or deterministic=True)") from None
+        if nnx_pair.is_nnx(model):
+            why = nnx_pair.draws(pair, model, example, pair_loss(pair, dtype))
+        else:
+            try:
+                jax.eval_shape(apply_fn(pair, model, dtype), variables, example)
+                why = None
+            except flax.errors.InvalidRngError as e:
+                why = str(e).split(' (https')[0]
+    if why:
+        raise PairError(f"the Flax model draws random numbers in training ({why}): dropout cannot match across two "
+                        "random number generators; turn it off for the parity run (rate 0 or deterministic=True)")
     dropouts = [f"{n} (p={m.p})" for n, m in pair.torch_model.named_modules()
                 if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
     if dropouts:
@@ -170,7 +179,8 @@ def _check_units(pair: ModelPair, model, corr: Correspondence, example) -> None:
 
     args, kwargs = pair.arguments("flax", example)
     try:
-        flax_units = unit_paths(Units(pair.flax_units), lambda: model.init(jax.random.key(0), *args, **kwargs))
+        flax_units = nnx_pair.unit_paths(pair, model) if nnx_pair.is_nnx(model) else unit_paths(
+            Units(pair.flax_units), lambda: model.init(jax.random.key(0), *args, **kwargs))
     except UnitError as e:
         raise PairError(f"flax_units: {e}") from None
     blocks = set(map(id, fsdp_blocks(pair.torch_model, tuple(pair.torch_units))))

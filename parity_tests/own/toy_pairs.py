@@ -1,7 +1,7 @@
 """Small pairs the tests run beside the example's language model (examples/parity_own_model.py):
 an MLP classifier with BatchNorm (buffers: torch's running stats against jaxdp's BatchNorm,
-which has torch's semantics), and the same with dropout switched on, on one side or both,
-which the harness refuses.
+which has torch's semantics), and the same with dropout switched on, on one side or both
+(the Flax side in Linen, or in NNX: ``nnx_dropout_pair``), which the harness refuses.
 
     run_pair("parity_tests.own.toy_pairs:batchnorm_pair", PairRun(strategy="ddp", devices=2))
 """
@@ -88,3 +88,28 @@ flax_init_pair = functools.partial(mlp_pair, init_from="flax")
 dropout_pair = functools.partial(mlp_pair, flax_dropout=0.1, torch_dropout=0.1)
 torch_dropout_pair = functools.partial(mlp_pair, torch_dropout=0.1)
 
+
+
+def _nnx_mlp(dropout: float):
+    from flax import nnx
+
+    class NNXMLP(nnx.Module):
+        def __init__(self, rngs=None):
+            rngs = rngs or nnx.Rngs(params=0, dropout=1)
+            self.fc1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
+            self.bn = nnx.BatchNorm(HIDDEN, momentum=0.9, rngs=rngs)
+            self.drop = nnx.Dropout(dropout, rngs=rngs)
+            self.fc2 = nnx.Linear(HIDDEN, CLASSES, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(self.drop(nnx.relu(self.bn(self.fc1(x)))))
+
+    return NNXMLP()
+
+
+def nnx_dropout_pair():
+    """The MLP with its Flax side an nnx.Module whose dropout draws (the harness refuses it)."""
+    from parity_tests.own import ModelPair
+
+    return ModelPair(flax_model=_nnx_mlp(0.1), torch_model=_torch_mlp(0.0), sample_batch=sample_batch,
+                     flax_loss=_flax_loss, torch_loss=_torch_loss, flax_inputs=_inputs, name="NNX MLP with dropout")
