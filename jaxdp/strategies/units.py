@@ -195,7 +195,7 @@ class Lead:
 
     ``taken``: whether a later unit received it. Only then does its cotangent carry a dependence
     (else it is a constant zero, and a gather tied to it could be hoisted anywhere): a unit whose
-    ``Lead`` nobody took, the last, re-gathers once its output's cotangent exists instead.
+    ``Lead`` nobody took, the last, re-gathers as its own forward ends instead.
     """
 
     def __init__(self, gather, scatter, root: bool = False):
@@ -221,8 +221,8 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
     forward: all-gather the unit's params (``gather(chunks)``) once ``lead``, the previous
     unit's ``Lead``, says so (``Lead``: one unit ahead; the first unit has none and may gather
     at once), and apply the unit. backward: all-gather them again (once the next unit's backward
-    has started; the last unit, once its output's cotangent exists); the gather's transpose
-    reduce-scatters the param gradient, after the next unit's reduce-scatter. ``remat`` says what forward keeps for backward:
+    has started; the last unit, as its forward ends); the gather's transpose reduce-scatters the
+    param gradient, after the next unit's reduce-scatter. ``remat`` says what forward keeps for backward:
 
     - ``"unit"``: only the unit's inputs; backward recomputes the unit (least memory).
     - ``"none"`` (FSDP2's default): the unit's activations, the residuals of its VJP,
@@ -262,12 +262,14 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         """The next unit's ``Lead`` (forward values: zeros tied to this unit's input and params)."""
         return zero_of([first_float(arrays), *floats(params)]), zero_of([first_float(arrays)])
 
-    def regather(chunks, dy, d_anchors):
+    def regather(chunks, done, d_anchors):
         """The params again, and the gather's transpose (a reduce-scatter): once the next unit's
         backward has started (``d_anchors``: its ``Lead``'s cotangents); the last unit, which has no
-        next, once its output's cotangent ``dy`` exists, as FSDP2 does by default (torchtitan keeps the
-        last block's params from forward to backward instead: one unit's params more through the loss)."""
-        return jax.vjp(gather, after(chunks, d_anchors[0] if _taken(produced) else dy))
+        next, once its own forward is ``done`` (a zero made from its output), so that the gather
+        overlaps the head and the loss. Tied to its output's cotangent instead (FSDP2's default),
+        XLA ran it synchronously: nothing is left to overlap once the cotangent exists. torchtitan
+        keeps the last block's params from forward to backward for the same reason."""
+        return jax.vjp(gather, after(chunks, d_anchors[0] if _taken(produced) else done))
 
     def scattered(scatter, d_params, d_arrays, d_anchors, params, dy):
         """The chunks' gradient, reduce-scattered after the next unit's; the input's cotangent; and the
@@ -285,19 +287,21 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
 
     def forward(chunks, state, arrays, anchors):
         params = gathered(chunks, anchors)
-        return apply(params, state, arrays), handed_on(arrays, params)
+        out = apply(params, state, arrays)
+        return (out, handed_on(arrays, params)), zero_of([first_float(out[0])])
 
     @jax.custom_vjp
     def run(chunks, state, arrays, anchors):
-        return forward(chunks, state, arrays, anchors)
+        return forward(chunks, state, arrays, anchors)[0]
 
     def recompute_fwd(chunks, state, arrays, anchors):
-        return forward(chunks, state, arrays, anchors), (chunks, state, arrays, anchors)  # no gathered params kept
+        outputs, done = forward(chunks, state, arrays, anchors)
+        return outputs, (chunks, state, arrays, anchors, done)  # no gathered params kept
 
     def recompute_bwd(residuals, cotangents):
-        chunks, state, arrays, anchors = residuals
+        chunks, state, arrays, anchors, done = residuals
         (dy, _), d_anchors = cotangents  # mutated collections (BN running stats) carry no gradient
-        params, scatter = regather(chunks, dy, d_anchors)
+        params, scatter = regather(chunks, done, d_anchors)
         _, pullback = jax.vjp(lambda p, xs: apply(p, state, xs)[0], params, arrays)
         d_params, d_arrays = pullback(dy)
         d_chunks, d_arrays, d_lead = scattered(scatter, d_params, d_arrays, d_anchors, params, dy)
@@ -310,12 +314,13 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         out, pullback, updated = jax.vjp(lambda p, xs: apply(p, state, xs), params, arrays, has_aux=True)
         saved, shape = _without_params(pullback, params)
         pullback_shape[:] = [shape]
-        return ((out, updated), handed_on(arrays, params)), (chunks, state, saved, anchors)
+        done = zero_of([first_float(out)])
+        return ((out, updated), handed_on(arrays, params)), (chunks, state, saved, anchors, done)
 
     def keep_bwd(residuals, cotangents):
-        chunks, state, saved, anchors = residuals
+        chunks, state, saved, anchors, done = residuals
         (dy, _), d_anchors = cotangents
-        params, scatter = regather(chunks, dy, d_anchors)
+        params, scatter = regather(chunks, done, d_anchors)
         d_params, d_arrays = _with_params(saved, pullback_shape[0], params)(dy)
         d_chunks, d_arrays, d_lead = scattered(scatter, d_params, d_arrays, d_anchors, params, dy)
         return d_chunks, _zeros(state), d_arrays, d_lead
