@@ -28,10 +28,11 @@ def configure_precision(cuda: bool) -> None:
         jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def jax_strategy(p: Plan, variables=None):
+def jax_strategy(p: Plan, devices: Optional[Sequence] = None):
     """The jaxdp strategy for the plan (model, classifier task, optimizer, mesh), ``return_grads=True``.
     zero3/hsdp shard per FSDP unit, the model's own (``fsdp_units``: residual or encoder blocks), as
-    torch_ref's FSDP2 twin ``fully_shard``s every block and then the root."""
+    torch_ref's FSDP2 twin ``fully_shard``s every block and then the root. ``devices``: the mesh's
+    (default ``jax.devices()``), e.g. a GPU target's compile-only ones (``compile_step``)."""
     from jaxdp.runtime.mesh import make_mesh
     from jaxdp.models import create_model, fsdp_units
     from jaxdp.strategies import create_strategy, options_of
@@ -40,9 +41,9 @@ def jax_strategy(p: Plan, variables=None):
     cfg = p.cfg
     model = create_model(cfg.model, num_classes=cfg.num_classes, dtype=cfg.dtype, **cfg.model_options())
     units = {"units": fsdp_units(model)} if "units" in options_of(cfg.strategy) else {}
-    return create_strategy(cfg.strategy, model, classifier(model), optimizer(p), make_mesh(cfg.devices),
-                           accum_steps=cfg.accum_steps, sync_bn=cfg.sync_bn, return_grads=True, **units,
-                           **p.jax_options)
+    mesh = make_mesh(cfg.devices, devices=devices)
+    return create_strategy(cfg.strategy, model, classifier(model), optimizer(p), mesh, accum_steps=cfg.accum_steps,
+                           sync_bn=cfg.sync_bn, return_grads=True, **units, **p.jax_options)
 
 
 def optimizer(p: Plan):
@@ -70,16 +71,39 @@ def run_jax(p: Plan, state_dict: Mapping[str, np.ndarray],
         return _jax_steps(p, state_dict, batches)
 
 
+def compile_step(p: Plan, batch: Tuple[np.ndarray, np.ndarray], devices: Sequence):
+    """The step ``run_jax`` runs for the plan, compiled for ``devices`` from shapes alone: a GPU target's
+    compile-only devices (``jaxdp.runtime.target``) compile the program a GPU host would run, on a CPU.
+    ``batch``: one step's (images, labels) as ``make_batches`` gives them. Nothing is allocated or run."""
+    import jax
+
+    with jax.enable_x64(p.cfg.dtype == "float64"):
+        strategy = jax_strategy(p, devices)
+        return strategy.engine.lower_step(*strategy.engine.step_shapes(global_batch(*batch))).compile()
+
+
+def global_batch(images: np.ndarray, labels: np.ndarray) -> dict:
+    """One step's (N, b, ...) images and labels -> the global batch, rows in device order."""
+    return {"image": images.reshape(-1, *images.shape[2:]), "label": labels.reshape(-1)}
+
+
 def _jax_steps(p: Plan, state_dict: Mapping[str, np.ndarray],
                batches: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[dict]:
-    from jaxdp.interop import tree_to_torch_names, variables_from_state_dict
+    from jaxdp.interop import tree_to_torch_names
 
-    # bfloat16 is mixed precision: float32 params (the master weights), bf16 compute.
-    variables = variables_from_state_dict(state_dict, dtype="float32" if p.cfg.dtype == "bfloat16" else p.cfg.dtype)
     strategy = jax_strategy(p)
-    host = ({"image": images.reshape(-1, *images.shape[2:]), "label": labels.reshape(-1)} for images, labels in batches)
-    return step_records(strategy, strategy.engine.init_state(variables), host, p.cfg.optimizer, tree_to_torch_names,
+    host = (global_batch(images, labels) for images, labels in batches)
+    return step_records(strategy, initial_state(p, strategy, state_dict), host, p.cfg.optimizer, tree_to_torch_names,
                         lambda model_state: tree_to_torch_names(model_state.get("batch_stats", {}), "batch_stats"))
+
+
+def initial_state(p: Plan, strategy, state_dict: Mapping[str, np.ndarray]):
+    """The run's first state: torch's initial weights placed by the strategy, in the run's dtype
+    (bfloat16 is mixed precision: float32 params, the master weights, and bf16 compute)."""
+    from jaxdp.interop import variables_from_state_dict
+
+    variables = variables_from_state_dict(state_dict, dtype="float32" if p.cfg.dtype == "bfloat16" else p.cfg.dtype)
+    return strategy.engine.init_state(variables)
 
 
 def step_records(strategy, state, host_batches: Iterable, optimizer_name: str,

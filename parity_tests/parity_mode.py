@@ -11,7 +11,11 @@ both sides take cuDNN's heuristic, deterministic choice:
   ``--xla_gpu_deterministic_ops=true`` (deterministic engines and scatters only; the
   autotuner takes the first working config instead of the fastest) and
   ``--xla_gpu_autotune_level=0`` (no timing runs at all: cuDNN's and cuBLAS's first choice;
-  also no "Delay kernel timed out" noise). Both exist in jax 0.10 and 0.11's XLA
+  also no "Delay kernel timed out" noise), and ``--xla_gpu_enable_triton_gemm=false``: matmuls
+  by cuBLAS, as torch's, not by XLA's Triton GEMM kernels. Without autotuning a Triton GEMM
+  gets one fixed tiling, and for the ViT's attention projection (4160 = 64 x 65 rows) XLA then
+  fails to compile the step ("Couldn't find output tile sizes", jax 0.10.2, compiled for an
+  H100: ``tests/test_gpu_check_compiles.py``). All three exist in jax 0.10 and 0.11's XLA
   (``xla/debug_options_flags.cc``); XLA aborts on an unknown flag, so none is guessed.
 - ``TF_ENABLE_WINOGRAD_NONFUSED=0``: XLA's cuDNN wrapper (stream_executor ``cuda_dnn.cc``)
   drops engines with cuDNN's Winograd numerical note when it is 0 (default: kept).
@@ -38,7 +42,7 @@ from typing import Dict, MutableMapping, Optional
 
 from jaxdp.runtime.startup import backend_started
 
-XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
+XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
 ENV = {"TF_ENABLE_WINOGRAD_NONFUSED": "0", "NVIDIA_TF32_OVERRIDE": "0"}
 # torch.backends attribute -> value in every parity rank on CUDA
 TORCH = {"cudnn.deterministic": True, "cudnn.benchmark": False, "cudnn.allow_tf32": False,

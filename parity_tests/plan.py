@@ -58,10 +58,11 @@ def cuda_gpus() -> int:
     return cuda_device_count()
 
 
-def plan(cfg: ParityConfig) -> Plan:
-    """Resolve the pair for ``cfg``: torch strategy, ranks, options; refuse what has no twin."""
+def plan(cfg: ParityConfig, gpus: Optional[int] = None) -> Plan:
+    """Resolve the pair for ``cfg``: torch strategy, ranks, options; refuse what has no twin.
+    ``gpus``: the CUDA GPUs of the host the run is for (default: this one's), e.g. a GPU target's."""
     pair = _checked_pair(cfg)
-    backend, gpus, (torch_strategy, world, full_batch, notes) = _torch_backend(cfg, pair)
+    backend, gpus, (torch_strategy, world, full_batch, notes) = _torch_backend(cfg, pair, gpus)
     cuda = backend == "nccl"
     defaults = ParityConfig()
     jax_options = {n: getattr(cfg, n) for n in pair.options if getattr(cfg, n) != getattr(defaults, n)}
@@ -159,18 +160,19 @@ def _one_process(torch_strategy: str) -> bool:
     return twin(torch_strategy).one_process
 
 
-def _torch_backend(cfg: ParityConfig, pair: Pair):
+def _torch_backend(cfg: ParityConfig, pair: Pair, gpus: Optional[int] = None):
     """(backend, GPUs used, ``torch_layout``) for ``cfg.backend`` (auto: ``JAXDP_TORCH_BACKEND``
     if set, else nccl when CUDA has a GPU for every torch rank, else gloo; see
-    ``torch_ref.dist.resolve_backend``). gloo means the CPU, GPUs or not."""
+    ``torch_ref.dist.resolve_backend``) on a host of ``gpus`` (default: this one's). gloo means
+    the CPU, GPUs or not."""
     from torch_ref.dist import BackendError, resolve_backend
 
-    gpus = cuda_gpus()
+    gpus = cuda_gpus() if gpus is None else gpus
     try:
-        if resolve_backend(cfg.backend, 1 if gpus else cfg.devices) == "gloo":  # asked for, or no GPU
+        if resolve_backend(cfg.backend, 1 if gpus else cfg.devices, gpus=gpus) == "gloo":  # asked for, or no GPU
             gpus = 0
         side = torch_layout(cfg, pair, gpus)
-        backend = resolve_backend(cfg.backend, side[1]) if gpus else "gloo"
+        backend = resolve_backend(cfg.backend, side[1], gpus=gpus) if gpus else "gloo"
     except BackendError as e:
         raise ParityError(str(e)) from None
     if backend == "gloo" and gpus:  # auto with fewer GPUs than ranks: the CPU path

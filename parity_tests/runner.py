@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional
 
 from parity_tests.config import ParityConfig
 from parity_tests.inputs import init_state_dict, make_batches
-from parity_tests.jax_side import configure_precision, run_jax
+from parity_tests.jax_side import compile_step, configure_precision, run_jax
 from parity_tests.plan import Plan, jsonable, plan
 from parity_tests.torch_side import torch_records
 
@@ -163,6 +163,19 @@ def _note_parity_mode(p: Plan) -> None:
         p.notes.append("parity mode's XLA flags were NOT in effect (jax's backend started before "
                        f"parity_tests.parity_mode.enable): set XLA_FLAGS='{' '.join(parity_mode.XLA_FLAGS)}' "
                        "before jax starts, or run jaxdp parity / python -m torch_commands.gpu_check")
+
+
+def compile_for_target(cfg: ParityConfig, target):
+    """``run_parity``'s jax side for ``cfg`` as a host of ``target`` (``jaxdp.runtime.target.Target``)
+    would run it, compiled for the target's compile-only GPUs on this machine: that host's plan and
+    matmul precision, one step's batch, the step from shapes (``jax_side.compile_step``). XLA takes this
+    process's flags: parity mode's where ``parity_mode.enable`` ran before jax started, as in gpu-check.
+    Returns (plan, the compiled step)."""
+    from jaxdp.runtime.target import compile_only_devices
+
+    p = plan(cfg, gpus=target.devices_per_host)
+    configure_precision(p.cuda)
+    return p, compile_step(p, make_batches(cfg)[0], compile_only_devices(target))
 
 
 def run_parity(cfg: ParityConfig, *, reuse_torch: bool = False, bounds=None,

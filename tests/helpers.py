@@ -204,3 +204,20 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"Fake GPU {i}")
     return fake
+
+
+def require_plugin():
+    """Skip without JAX's CUDA plugin for compile-only GPU targets, or fail where CI asks for it
+    (``JAXDP_REQUIRE_GPU_TARGET``)."""
+    import os
+
+    import pytest
+
+    from jaxdp.runtime import target as gpu_target
+
+    if os.path.exists(os.path.join(gpu_target.plugin_dir(), "jax_plugins", "xla_cuda12")):
+        return
+    message = f"JAX's CUDA plugin is not installed in {gpu_target.plugin_dir()}: make install-gpu-target"
+    if os.environ.get("JAXDP_REQUIRE_GPU_TARGET"):
+        pytest.fail(message)
+    pytest.skip(message)

@@ -17,7 +17,6 @@ overlap compute, and most must have a convolution inside their window; which one
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from helpers import require_plugin
 from jaxdp.models import create_model
-from jaxdp.runtime import target as gpu_target
 
 HERE = Path(__file__).parent
 JOB = HERE / "gpu_target_job.py"
@@ -36,16 +35,6 @@ STRATEGIES = {"ddp": "ddp:bucket_cap_mb=2", "zero1": "zero1", "zero2": "zero2", 
 ZERO3_BEFORE_TEMP = 168.1 * 2**20  # ResNet-18 w64 bf16 at 8xH100, before prefetch (DESIGN.md section 12)
 UNITS = 8  # ResNet-18's residual blocks
 MIB = 2**20
-
-
-def require_plugin():
-    """Skip without the CUDA plugin, or fail where CI asks for it (JAXDP_REQUIRE_GPU_TARGET)."""
-    if os.path.exists(os.path.join(gpu_target.plugin_dir(), "jax_plugins", "xla_cuda12")):
-        return
-    message = f"JAX's CUDA plugin is not installed in {gpu_target.plugin_dir()}: make install-gpu-target"
-    if os.environ.get("JAXDP_REQUIRE_GPU_TARGET"):
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 def run_job(out, env, target, per_host, hosts, width, blocks, jobs: dict, timeout=900) -> dict:

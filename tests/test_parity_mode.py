@@ -15,7 +15,7 @@ import torch
 
 from parity_tests import parity_mode
 
-PARITY_FLAGS = ["--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0"]
+PARITY_FLAGS = ["--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false"]
 PARITY_ENV = {"TF_ENABLE_WINOGRAD_NONFUSED": "0", "NVIDIA_TF32_OVERRIDE": "0"}
 
 
@@ -41,7 +41,7 @@ def test_parity_mode_adds_exactly_its_flags_and_variables():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3 --xla_gpu_autotune_level=4"}
     env.update(parity_mode.env_updates(env))
     assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=3", "--xla_gpu_autotune_level=4",
-                                        "--xla_gpu_deterministic_ops=true"]
+                                        "--xla_gpu_deterministic_ops=true", "--xla_gpu_enable_triton_gemm=false"]
     assert parity_mode.env_updates(env)["XLA_FLAGS"] == env["XLA_FLAGS"]
 
 

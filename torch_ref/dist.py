@@ -52,9 +52,10 @@ def local_world_size(environ: Optional[Mapping[str, str]] = None) -> int:
 
 
 def resolve_backend(requested: Optional[str] = None, local_world: Optional[int] = None, *,
-                    environ: Optional[Mapping[str, str]] = None) -> str:
+                    environ: Optional[Mapping[str, str]] = None, gpus: Optional[int] = None) -> str:
     """``nccl`` or ``gloo`` for ``requested`` (None or ``auto``: ``JAXDP_TORCH_BACKEND`` if
-    set, else detect) with ``local_world`` ranks on this host (default: the environment's)."""
+    set, else detect) with ``local_world`` ranks on this host (default: the environment's) and
+    ``gpus`` CUDA GPUs (default: this host's)."""
     env = os.environ if environ is None else environ
     choice, source = (requested or "auto").strip().lower(), "--backend"
     if choice == "auto" and env.get(BACKEND_ENV, "").strip():
@@ -62,7 +63,7 @@ def resolve_backend(requested: Optional[str] = None, local_world: Optional[int] 
     if choice not in BACKENDS:
         raise BackendError(f"{source} must be one of {', '.join(BACKENDS)}, got {choice!r}")
     ranks = max(1, local_world if local_world is not None else local_world_size(env))
-    gpus = cuda_device_count()
+    gpus = cuda_device_count() if gpus is None else gpus
     if choice == "auto":
         return "nccl" if gpus >= ranks else "gloo"
     if choice == "nccl" and gpus < ranks:

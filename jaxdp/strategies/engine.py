@@ -137,6 +137,16 @@ class ShardMapEngine(Engine):
         s = self.strategy
         return jax.tree_util.tree_map(lambda x: shard_batch(s.mesh, np.asarray(x), s.batch_axes), batch)
 
+    def step_shapes(self, batch):
+        """The step's arguments for the global ``batch`` (numpy) as shapes and shardings: the state
+        (``conversions.abstract_state``) and the batch split over the batch axes. ``lower_step``
+        compiles from them, nothing allocated: for a GPU target's compile-only devices."""
+        s = self.strategy
+        split = NamedSharding(s.mesh, P(s.batch_axes))
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                                       sharding=split), batch)
+        return conversions.abstract_state(s, batch), shapes
+
     # -- programs ------------------------------------------------------------------------------
     def step(self, state: TrainState, batch):
         self.strategy.learn_structure(batch)

@@ -57,14 +57,28 @@ class PmapEngine(Engine):
         return self.from_canonical(jax.device_get(stored))
 
     def shard_batch(self, batch):
-        n = len(self.devices)
-
         def split(a):
             a = np.asarray(a)
-            if a.shape[0] % n:
-                raise StrategyError(f"dp: batch {a.shape[0]} does not split into {n} equal chunks")
-            return jax.device_put(a.reshape(n, a.shape[0] // n, *a.shape[1:]), self._split)
+            return jax.device_put(a.reshape(self._chunked(a.shape)), self._split)
         return jax.tree_util.tree_map(split, batch)
+
+    def _chunked(self, shape):
+        """A batch leaf's shape cut into one equal chunk per device, on a leading device axis."""
+        n = len(self.devices)
+        if shape[0] % n:
+            raise StrategyError(f"dp: batch {shape[0]} does not split into {n} equal chunks")
+        return (n, shape[0] // n, *shape[1:])
+
+    def step_shapes(self, batch):
+        """As ``ShardMapEngine.step_shapes``, in pmap's layout: the leading device axis that
+        ``from_canonical`` gives every leaf of the state, and ``shard_batch`` the batch's."""
+        n = len(self.devices)
+
+        def stacked(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._split)
+        state = jax.tree_util.tree_map(lambda x: stacked((n, *x.shape), x.dtype),
+                                       conversions.abstract_state(self.strategy, batch))
+        return state, jax.tree_util.tree_map(lambda x: stacked(self._chunked(np.shape(x)), np.asarray(x).dtype), batch)
 
     # -- programs ---------------------------------------------------------------------------------
     def step(self, state, batch):
