@@ -80,6 +80,11 @@ def _operands(rest: str) -> Tuple[str, ...]:
 
 
 def _phase_and_scope(op_name: str) -> Tuple[str, str]:
+    """(phase, module path) from an op's metadata. XLA names a combined op after its members,
+    ``.../(a/op:b/op)``: it is read as its first member."""
+    combined = re.match(r"^(.*?/)?\((.*)\)$", op_name)
+    if combined:
+        op_name = (combined.group(1) or "") + combined.group(2).split(":")[0]
     phase = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "other"
     parts = [p for p in op_name.split("/")[:-1] if p and not _WRAPPER.match(p)]  # [-1]: the primitive
     return phase, "/".join(parts)

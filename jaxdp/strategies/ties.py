@@ -41,7 +41,7 @@ def zero_of(xs, like=None):
     not, and the zero cast to vary over exactly ``like``'s axes (a ``custom_vjp`` cotangent must have
     its primal's type)."""
     within = None if like is None else varying_axes(like)
-    parts = [0 * x.reshape(-1)[0].astype(jnp.float32) for x in floats(xs)
+    parts = [0 * x[(0,) * x.ndim].astype(jnp.float32) for x in floats(xs)
              if within is None or varying_axes(x) <= within]
     zero = sum(parts[1:], parts[0]) if parts else jnp.zeros((), jnp.float32)
     missing = () if within is None else tuple(a for a in sorted(within) if a not in varying_axes(zero))

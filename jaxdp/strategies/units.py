@@ -202,12 +202,13 @@ class Lead:
         self.gather, self.scatter, self.taken, self.root = gather, scatter, False, root
 
     @classmethod
-    def of_root(cls, params) -> "Lead":
-        """The first unit's ``Lead``, made from the params gathered before any unit (the root unit's):
-        the first unit's gather follows the root's. Backward, the first unit's input cotangent waits
-        for its reduce-scatter, so the root's reduce-scatter (after the stem's backward) follows every
-        unit's: else XLA merges it with the last unit's, which then waits for the whole backward."""
-        return cls(zero_of(floats(params)), zero_of([]), root=True)
+    def of_root(cls) -> "Lead":
+        """The first unit's: no previous unit to follow (its gather may start at once). Backward, the first
+        unit's input cotangent waits for its reduce-scatter, so that the root's reduce-scatter (after
+        the stem's backward) follows every unit's: else XLA merges it with the last unit's, which then
+        waits for the whole backward. (Tying the first unit's gather to the root's gathered params made
+        XLA lay the stem's activations out anew: 227 more transposes, compiled for H100s.)"""
+        return cls(zero_of([]), zero_of([]), root=True)
 
     def arrays(self):
         return (self.gather, self.scatter)
@@ -256,7 +257,7 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         return out if mutable else (out, {})
 
     def gathered(chunks, anchors):
-        return gather(after(chunks, anchors[0]) if lead is not None else chunks)
+        return gather(chunks if lead is None or lead.root else after(chunks, anchors[0]))
 
     def handed_on(arrays, params):
         """The next unit's ``Lead`` (forward values: zeros tied to this unit's input and params)."""
@@ -278,10 +279,8 @@ def fsdp_unit(call: Callable, gather: Callable, chunks, state, args, kwargs, mut
         if _taken(produced):
             d_params = after(d_params, d_anchors[1])
         d_chunks = scatter(d_params)[0]
-        if lead is None:  # no previous unit: the anchors were constants
-            return d_chunks, d_arrays, _zeros(anchors)
-        if lead.root:  # see Lead.of_root
-            d_arrays = after(d_arrays, d_chunks)
+        if lead is None or lead.root:  # no previous unit: the anchors were constants
+            return d_chunks, d_arrays if lead is None else after(d_arrays, d_chunks), _zeros(anchors)
         return d_chunks, d_arrays, (zero_of([first_float(dy), *floats(params)], like=anchors[0]),
                                     zero_of(floats(d_chunks), like=anchors[1]))
 

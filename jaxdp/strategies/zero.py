@@ -223,9 +223,7 @@ class ZeRO(Strategy):
             def root_gather(path, c, s):
                 return c if in_unit(leaf_path(path), self.unit_paths) else layout.gather(c, s.shape, axis, n)
             params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes)
-            root = [p for path, p in jax.tree_util.tree_leaves_with_path(params)
-                    if not in_unit(leaf_path(path), self.unit_paths)]
-            leads = [Lead.of_root(root)]  # then each unit's, in order
+            leads = [Lead.of_root()]  # then each unit's, in order
             with self.units.on_use(functools.partial(gather_unit, leads)):
                 return loss_fn(params, model_state, batch, key)
         return run
