@@ -1,8 +1,8 @@
 """Data dependences that put collectives in order: the one way to tell XLA when a collective may run.
 
-XLA is free to move and merge collectives that do not depend on each other: its latency-hiding
-scheduler hoists a gather to the start of the step if nothing holds it back (every unit's params
-alive at once), and its combiners merge independent collectives of a kind into one (XLA:GPU
+XLA is free to move and merge collectives that do not depend on each other: its scheduler hoists
+a gather to the start of the step if nothing holds it back (every unit's params alive at once:
+temp 5.7 instead of 4.4 Psi bytes, an 18-layer CIFAR CNN at width 32 on CPU), and its combiners merge independent collectives of a kind into one (XLA:GPU
 merged ZeRO-3's eight per-unit reduce-scatters into one after the whole backward, and DDP's
 buckets into two all-reduces). Compiler flags change from version to version; a data dependence
 holds in every one. ``after(tree, xs)`` is ``tree`` unchanged in value, but computable only once
