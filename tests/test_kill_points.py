@@ -7,7 +7,8 @@ The kills are chained: each stage resumes what the one before left and dies at t
 (``JAXDP_FAULT_AT``), so one run visits every point, and later stages resume from what a kill at
 an earlier point left. SIGKILL: ``jaxdp train`` in a subprocess, and a 2-process ``jaxdp launch``
 job; SIGTERM and SIGINT: ``train`` in this process (the same deferred stop as the command's).
-``make kill-check`` kills at random besides, and more often (scripts/kill_check.py).
+``make kill-check`` (tests/kill_campaign.py) kills at every point in both topologies, with all three
+signals, and at random moments.
 """
 
 import dataclasses
@@ -51,12 +52,14 @@ KILLS = [
     "checkpoint_manifest:1",  # from 4 (6's leftover removed): checkpoint 6 complete, without its manifest
     "sample_row:3",  # from 6: steps 7, 8 (an epoch's end) and 9's sample ids written
 ]
-# In a 2-process job, where the second process adds something: orbax's commit waits for both, and
-# process 1 writes its own sample-id log. @1: process 1 alone dies there; the launcher then stops
-# process 0 wherever it is. (make kill-check kills a job at every point.)
+# In a 2-process job, where the second process adds something: orbax's commit waits for both;
+# process 1 writes its own sample-id log (@1: process 1 alone dies there, and the launcher stops
+# process 0 wherever it is); a SIGTERM to one process stops both at one agreed step, also while a
+# resumed job starts. (make kill-check kills a job at every point.)
 JOB_KILLS = [
     "checkpoint_write:2",  # checkpoint 3 written, 4 (an epoch's end) half written
-    "sample_row:5@1",  # from 3: steps 4 (checkpointed), 5, 6 (checkpointed), 7, 8's ids in process 1's log
+    "config:1:TERM@0",  # resuming from 3: both stop after this run's first step, 4, checkpointed
+    "sample_row:6@1",  # from 4: steps 5, 6 (checkpointed), 7, 8 (checkpointed), 9, 10's ids in process 1's log
 ]
 # SIGTERM and SIGINT stop the run at the step's end (or the epoch's end), checkpointed; the last
 # one lands in the run's last step, which then ends the run as if nothing had been asked.
@@ -140,24 +143,29 @@ def test_sigkill_at_every_point_then_resume_is_the_uninterrupted_run(tmp_path, u
 
 
 @pytest.mark.slow
-def test_sigkill_in_a_two_process_job_then_resume_is_the_uninterrupted_run(tmp_path, uninterrupted):
+def test_kills_in_a_two_process_job_then_resume_is_the_uninterrupted_run(tmp_path, uninterrupted):
     """``jaxdp launch``, 2 processes of 1 device (a sum over 2 devices rounds alike in one process
-    and in two: the same bits as the reference), killed at ``JOB_KILLS``."""
+    and in two: the same bits as the reference), killed or stopped at ``JOB_KILLS``."""
     outputs = kill_chain(str(tmp_path / "run"), JOB_KILLS, job=True)
     assert_same_run(str(tmp_path / "run"), uninterrupted[0].out)
     said = resume_lines(outputs)
     assert said[0].startswith("jaxdp: resuming from step 3 (epoch 1, sample 96 of 128); removed 1 partial save(s) "
                               "(4.orbax-checkpoint-tmp)"), said
+    # The SIGTERM while the resumed job started: both stopped after step 4 and its evaluation.
+    assert said[1].startswith("jaxdp: resuming from step 4 (epoch 2, sample 0 of 128); metrics.jsonl kept 6 row(s), "
+                              "dropped 0"), said
 
 
 def kill_chain(out, kills, job: bool) -> list:
-    """Run stage after stage, each SIGKILLed where ``kills`` says, then one to the end; their output."""
+    """Run stage after stage, each stopped where ``kills`` says (SIGKILL unless it names another
+    signal), then one to the end; their output."""
     env = job_env(JAXDP_COMPILER_OPTIONS=os.environ["JAXDP_COMPILER_OPTIONS"])  # the reference's step program
     outputs = []
     for i, spec in enumerate([*kills, None]):
         command = jaxdp("train", *(ARGS + ["--out", out] + ([] if job else ["--devices", "2"]) if i == 0
                                    else ["--resume", out]))
         stage_env = env if spec is None else {**env, durable.ENV: spec}
+        point, nth, kind = (spec.split("@")[0].split(":") + ["KILL"])[:3] if spec else (None,) * 3
         if job:
             code, output = run_job(["--nprocs", "2", "--devices-per-proc", "1"], command, timeout=240, env=stage_env)
         else:
@@ -166,9 +174,9 @@ def kill_chain(out, kills, job: bool) -> list:
         outputs.append(output)
         if spec is None:
             assert code == 0, output[-5000:]
-        else:
-            point, nth = spec.split("@")[0].split(":")
-            assert code in (-9, 137) and f"SIGKILL at {point} (time {nth})" in output, (spec, code, output[-5000:])
+        else:  # killed there (the launcher exits 128 + the signal), or stopped with its own exit status
+            stopped = {"KILL": (-9, 137), "TERM": (143,), "INT": (130,)}[kind]
+            assert code in stopped and f"SIG{kind} at {point} (time {nth})" in output, (spec, code, output[-5000:])
     # A CLI user reads a warning as one line, without Python's source path and code line.
     assert not [line for o in outputs for line in o.splitlines() if re.search(r"\.py:\d+: \w*Warning", line)]
     return outputs

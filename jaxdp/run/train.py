@@ -137,6 +137,7 @@ class _Run:
         self.state, self.position, self.global_step, found = start_state(
             cfg, setup, self.checkpoints, example_batch(self.strategy.model), self.is_main)
         self.saved = (self.global_step, self.position)  # what the newest checkpoint holds
+        self.first_step = self.global_step  # where this run started (0, or the checkpoint's step)
         barrier("init")  # the processes finish compiling the init at different times (see distributed.barrier)
         if self.is_main and cfg.progress:
             print(startup_header(cfg, self.strategy, self.state, setup.per_device), file=sys.stderr, flush=True)
@@ -195,8 +196,12 @@ class _Run:
         self.summary["eval"] = result
 
     def should_stop(self) -> bool:
-        """Ctrl-C or SIGTERM here; in a job, whether every process stops at this step."""
-        if self.job and preemption_sync_point(self.global_step):
+        """Ctrl-C or SIGTERM here; in a job, whether every process stops at this step.
+
+        JAX's sync manager counts calls: it stops the job at the call after the furthest process's
+        latest, a notice before any call meaning the 1st. So it is given this run's steps (1, 2, ...),
+        not the global step: a resumed job preempted while it started would wait for step 1 forever."""
+        if self.job and preemption_sync_point(self.global_step - self.first_step):
             self.interrupt.preempted_now()
         return self.interrupt.requested
 
