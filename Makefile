@@ -3,9 +3,9 @@
 # sizes, report in runs/gpu-check/) and `make gpu-bench` (<= 5 minutes of GPU time, report in
 # runs/gpu-bench/); on any machine `make gpu-check-rehearsal` (the one-GPU plan's pairs on the CPU,
 # slow: about an hour on 2 cores) and `make kill-check` (runs killed at every write point and at
-# random, resumed and compared with one never killed; ~15 min). Each creates .venv and installs the project into it on first
-# use; the two GPU targets first try the python at hand (a GPU image's own jax and torch: nothing
-# to install).
+# random, resumed and compared with one never killed; ~15 min). Each creates .venv and installs
+# the project into it on first use; the two GPU targets first try the python at hand (a GPU
+# image's own jax and torch: nothing to install).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -46,7 +46,7 @@ class JsonLines:
         self._file = None
         self.kept = self.dropped = 0
         if enabled:
-            size, self.kept, self.dropped = covered_prefix(path, covers or (lambda row: False))
+            size, self.kept, self.dropped = _covered_prefix(path, covers or (lambda row: False))
             fault_point("log_rewrite")
             with open(path, "ab") as f:
                 f.truncate(size)
@@ -72,7 +72,7 @@ class JsonLines:
             self._file.close()
 
 
-def covered_prefix(path: str, covers: Callable[[dict], bool]) -> Tuple[int, int, int]:
+def _covered_prefix(path: str, covers: Callable[[dict], bool]) -> Tuple[int, int, int]:
     """(bytes, rows) of the whole rows at the start of ``path`` that ``covers`` accepts, up to the
     first it does not, and how many rows follow them (a torn last row among them)."""
     size = kept = dropped = 0

@@ -20,7 +20,8 @@ from typing import Optional
 ENV = "JAXDP_FAULT_AT"
 POINTS = {  # name: what is on disk when the process dies there
     "step": "a step's update is in hand; nothing of it is written yet",
-    "metrics_row": "a row (a step's or an evaluation's) was just appended to metrics.jsonl",
+    "metrics_row": "a row (a step's or an evaluation's) was just appended to metrics.jsonl (by process 0; "
+                   "every process of a job passes the point)",
     "sample_row": "a step's row was just appended to sample_ids.p<k>.jsonl",
     "checkpoint_write": "a checkpoint's write has begun and not ended (orbax's temporary folder)",
     "checkpoint_manifest": "a checkpoint is complete (orbax renamed it), its manifest is not written",
