@@ -2,16 +2,17 @@
 # NVIDIA GPUs (one or more) `make gpu-check` (parity of every strategy on the GPUs at realistic
 # sizes, report in runs/gpu-check/) and `make gpu-bench` (<= 5 minutes of GPU time, report in
 # runs/gpu-bench/); on any machine `make gpu-check-rehearsal` (the one-GPU plan's pairs on the CPU,
-# slow: about an hour on 2 cores). Each creates .venv and installs the project into it on first
-# use; the two GPU targets first try the python at hand (a GPU image's own jax and torch: nothing
-# to install).
+# slow: about an hour on 2 cores) and `make kill-check` (runs killed at every write point and at
+# random, resumed and compared with one never killed; ~15 min). Each creates .venv and installs
+# the project into it on first use; the two GPU targets first try the python at hand (a GPU
+# image's own jax and torch: nothing to install).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICKSTART_ARGS := --strategy ddp --model resnet18 --width 8 --devices 2 --global-batch-size 128 \
 	--epochs 2 --synthetic-size 5000,1000 --lr 0.2 --out runs/quickstart --overwrite
 
-.PHONY: train test install install-gpu install-gpu-target gpu-check gpu-check-rehearsal gpu-bench clean
+.PHONY: train test install install-gpu install-gpu-target gpu-check gpu-check-rehearsal gpu-bench kill-check clean
 
 # pyproject.toml admits torch 2.6 to < 3; CONSTRAINTS pins the one installed here (2.13.0, the
 # CPU wheel on the build machines). Another torch: make install CONSTRAINTS=/dev/null.
@@ -85,6 +86,14 @@ gpu-bench:
 	else $(MAKE) install-gpu && py=$(BIN)/python; fi; \
 	env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
 		$$py -m jaxdp.cli bench --preset gpu --quick --out runs/gpu-bench $(GPU_BENCH_ARGS)
+
+# The kill campaign: a tiny run killed at every named write point and at random moments (SIGKILL,
+# SIGTERM, SIGINT; 1 process and a 2-process job), resumed, and compared with a run never killed.
+# Not part of the suite: ~15 min on 2 cores; its table is in docs/checkpoints-and-faults.md.
+# Extra options: make kill-check KILL_CHECK_ARGS="--random 20 --seed 1" (or --only KILL,2p).
+KILL_CHECK_ARGS ?=
+kill-check: install
+	$(BIN)/python tests/kill_campaign.py --out runs/kill-check $(KILL_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

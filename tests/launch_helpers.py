@@ -130,3 +130,4 @@ def epoch_ids(out, epoch):
     """All ids the run fed in ``epoch`` (a sorted array, repeats kept)."""
     ids = [np.asarray(r["ids"]).ravel() for r in sample_records(out) if r["epoch"] == epoch]
     return np.sort(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
+

@@ -14,7 +14,6 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from jaxdp.config.tree import TrainConfig
@@ -24,6 +23,7 @@ from jaxdp.runtime.mesh import MeshError
 from jaxdp.strategies import REGISTRY
 from jaxdp.run.train import train
 from launch_helpers import TINY_ARGS, Job, alive, jaxdp, job_env, records, run_job, sample_records
+from run_dirs import final_state
 
 JOB_TIMEOUT = 240  # seconds; a loaded 2-core machine needs ~1-2 min for a tiny 2-process run
 
@@ -143,18 +143,6 @@ def _cli_args(cfg: TrainConfig):
     return ["--strategy", cfg.strategy, "--width", str(cfg.width), "--blocks", "1,1,1,1",
             "--synthetic-size", "128,32", "--global-batch-size", "32", "--epochs", "1", "--lr", "0.05",
             "--dtype", "float64", "--no-progress", "--log-sample-ids", "--out", cfg.out]
-
-
-def final_state(out):
-    """The last checkpoint's canonical state, as numpy, whatever topology wrote it."""
-    root = os.path.abspath(os.path.join(out, "checkpoints"))
-    path = os.path.join(root, str(max(int(x) for x in os.listdir(root) if x.isdigit())), "state")
-    checkpointer = ocp.StandardCheckpointer()
-    meta = checkpointer.metadata(path)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    like = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                                  meta.item_metadata.tree)
-    return jax.tree_util.tree_map(np.asarray, checkpointer.restore(path, like))
 
 
 # zero3: the hardest case (sharded params, reduce-scatter across processes, a sharded

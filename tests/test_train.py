@@ -77,7 +77,8 @@ def test_interrupted_and_resumed_run_is_bit_exact(tmp_path, uninterrupted, capsy
     assert first["interrupted"]
     capsys.readouterr()
     resumed = train(dataclasses.replace(split, resume=True))
-    assert "jaxdp: resuming from step 5 (epoch 1, sample 160 of 256)\n" in capsys.readouterr().err
+    assert "jaxdp: resuming from step 5 (epoch 1, sample 160 of 256); metrics.jsonl kept 5 row(s), dropped 0\n" \
+        in capsys.readouterr().err
     assert_same_run(split.out, resumed, uninterrupted)
 
 

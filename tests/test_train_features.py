@@ -5,7 +5,6 @@ the first step, and the compilation cache's directory rules. One tiny run serves
 import glob
 import math
 import os
-import struct
 
 import jax
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 from helpers import jax_compile_log
 from jaxdp.config.tree import TrainConfig
 from jaxdp.run.train import train
+from run_dirs import tensorboard_scalars
 
 TINY = dict(width=4, blocks=(1, 1, 1, 1), synthetic_size=(64, 32), global_batch_size=16, devices=2, lr=0.05,
             progress=False)  # 4 steps per epoch
@@ -59,25 +59,6 @@ def test_keep_bounds_the_checkpoints(run):
     cfg, _ = run
     kept = sorted(int(n) for n in os.listdir(os.path.join(cfg.out, "checkpoints")) if n.isdigit())
     assert kept == [5, 6]  # a checkpoint every step, the newest 2 kept (default 3)
-
-
-def tensorboard_scalars(logdir):
-    """{tag: [(step, value)]} read back from the event files: TFRecord framing (length,
-    its crc, the Event proto, its crc) parsed by hand, the proto with tensorboardX's own."""
-    from tensorboardX.proto import event_pb2
-
-    scalars = {}
-    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
-            at += 12 + length + 4
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars
 
 
 def test_tensorboard_scalars_equal_the_jsonl_records(run):

@@ -5,4 +5,5 @@ one JSON record every writer uses. ``Trainer.save``/``Trainer.restore`` and ``ja
 through saving.py, so either reads what the other wrote."""
 
 from jaxdp.checkpoint.store import (MANIFEST, CheckpointCorrupt, CheckpointError, Checkpointer,  # noqa: F401
-                                    CheckpointUnreadable, CheckpointWarning, NoCheckpoint)
+                                    CheckpointUnreadable, CheckpointWarning, NoCheckpoint,
+                                    PartialSavesRemoved)

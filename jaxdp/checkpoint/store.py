@@ -41,6 +41,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxdp.runtime.distributed import share_from_first
+from jaxdp.runtime.durable import fault_point, write_atomically
 
 MANIFEST = "jaxdp_manifest.json"
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -66,6 +67,14 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped or a leftover removed; training goes on."""
 
 
+class PartialSavesRemoved(CheckpointWarning):
+    """Leftovers of interrupted saves were removed (``names``): nothing of a complete checkpoint."""
+
+    def __init__(self, message: str, names: List[str]):
+        super().__init__(message)
+        self.names = names
+
+
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int = 3):
         self.directory = os.path.abspath(directory)
@@ -83,8 +92,9 @@ class Checkpointer:
         for name in partial:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         if partial:
-            warnings.warn(f"removed {len(partial)} partially written checkpoint(s) left by an interrupted save: "
-                          f"{', '.join(partial)} in {self.directory}", CheckpointWarning, stacklevel=3)
+            warnings.warn(PartialSavesRemoved(f"removed {len(partial)} partially written checkpoint(s) left by an "
+                                              f"interrupted save: {', '.join(partial)} in {self.directory}", partial),
+                          stacklevel=3)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, global_step: int, state, meta: dict) -> None:
@@ -92,7 +102,8 @@ class Checkpointer:
 
         A checkpoint of the same step is replaced (a run resumed from the end of an epoch
         saves that step again, now past the epoch's evaluation); an older one stays until
-        the new one is complete, so a crash in between falls back to it.
+        the new one is complete, so a crash in between falls back to it. The fault points
+        (``jaxdp.runtime.durable``) are the moments a kill can split a save at.
         """
         if global_step in self.all_steps():
             self._manager.delete(global_step)
@@ -101,17 +112,18 @@ class Checkpointer:
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
             force=True,
         )
+        fault_point("checkpoint_write")  # orbax writes on in its own thread, into its temporary folder
         self._manager.wait_until_finished()
+        fault_point("checkpoint_manifest")
         if jax.process_index() == 0:
             self._write_manifest(global_step)
+        fault_point("checkpoint_done")
 
     def _write_manifest(self, step: int) -> None:
         root = self.step_dir(step)
         files = {rel: _describe(os.path.join(root, rel)) for rel in _files(root)}
-        tmp = os.path.join(root, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"format": 1, "files": files}, f, indent=0, sort_keys=True)
-        os.replace(tmp, os.path.join(root, MANIFEST))  # never a half-written manifest
+        write_atomically(os.path.join(root, MANIFEST), json.dumps({"format": 1, "files": files}, indent=0,
+                                                                  sort_keys=True))  # never a half-written one
 
     # -- finding and checking ------------------------------------------------------------------
     def step_dir(self, step: int) -> str:

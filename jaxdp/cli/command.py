@@ -11,8 +11,10 @@ before a command's own modules, which import jax, are loaded.
 """
 
 import argparse
+import contextlib
 import functools
 import sys
+import warnings
 from typing import List, Optional
 
 from jaxdp import __version__
@@ -152,6 +154,24 @@ def with_file_options(parser: argparse.ArgumentParser, argv: Optional[List[str]]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    with one_line_warnings():
+        return _main(argv)
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """While the command runs, a warning reaches its user as one line, ``jaxdp: warning: ...``,
+    without the source path and code line Python adds for a program's author. Only the command
+    line: a library user of jaxdp keeps Python's format (restored on the way out)."""
+    before = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_, **__: f"jaxdp: warning: {' '.join(str(message).split())}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
+
+
+def _main(argv: Optional[List[str]]) -> int:
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     parser = build_parser(words[0] if words else None)
     args = parser.parse_args(argv)

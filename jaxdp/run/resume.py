@@ -29,7 +29,7 @@ import warnings
 import jax
 import numpy as np
 
-from jaxdp.checkpoint import CheckpointError, NoCheckpoint
+from jaxdp.checkpoint import CheckpointError, NoCheckpoint, PartialSavesRemoved
 from jaxdp.config.tree import TrainConfig, TrainError, end_position
 from jaxdp.data.sampler import epoch_permutation
 from jaxdp.run.rundir import NOTHING_TO_RESUME, check_fingerprint, resuming_message
@@ -60,27 +60,46 @@ def permutation_digest(n: int, seed: int, epoch: int) -> str:
 
 
 def start_state(cfg: TrainConfig, setup, checkpoints: str, example, is_main: bool):
-    """(state, (epoch, steps of it done), global step) to train from; ``checkpoints``: the directory."""
+    """(state, (epoch, steps of it done), global step, what the resume found) to train from;
+    ``checkpoints``: the directory. What the resume found (None for a fresh run) is the start of
+    the one line the run says about it: the checkpoint and its place, partial saves removed."""
     if not cfg.resume:
-        return setup.trainer.init(jax.random.key(cfg.seed), example), (0, 0), 0  # each device builds its shards
+        state = setup.trainer.init(jax.random.key(cfg.seed), example)  # each device builds its shards
+        return state, (0, 0), 0, None
 
     def same_run(meta: dict) -> None:  # before any array is read
         if meta["record"] is not None:
             check_fingerprint(meta["record"]["fingerprint"], cfg.fingerprint(), os.path.abspath(checkpoints))
 
     # Into shapes and shardings only: a ZeRO-3 restore builds no full (or even fresh) state.
-    try:
-        state, meta = setup.trainer.restore(checkpoints, example, check=same_run, with_meta=True)
-    except NoCheckpoint:  # checkpoint folders, but none that orbax lists as complete
-        raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out)) from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            state, meta = setup.trainer.restore(checkpoints, example, check=same_run, with_meta=True)
+        except NoCheckpoint:  # checkpoint folders, but none that orbax lists as complete
+            raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out)) from None
+    removed = _said_in_the_line(caught)
     position, global_step = _resume_position(cfg, setup, meta, is_main)
     if position >= end_position(cfg, setup.steps_per_epoch):
         raise TrainError(f"the run in {cfg.out} already finished its {_length(cfg)} (step {global_step}): "
                          f"nothing to resume")
-    if is_main:
-        print("jaxdp: " + resuming_message(global_step, position, setup.steps_per_epoch, cfg.global_batch_size,
-                                           len(setup.train_set)), file=sys.stderr, flush=True)
-    return state, position, global_step
+    found = resuming_message(global_step, position, setup.steps_per_epoch, cfg.global_batch_size,
+                             len(setup.train_set))
+    if removed:
+        found += f"; removed {len(removed)} partial save(s) ({', '.join(removed)})"
+    return state, position, global_step, found
+
+
+def _said_in_the_line(caught) -> list:
+    """The names of the partial saves the restore removed, which the resume line says; every
+    other warning goes on as it was raised."""
+    removed = []
+    for w in caught:
+        if isinstance(w.message, PartialSavesRemoved):
+            removed += w.message.names
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return removed
 
 
 def _length(cfg: TrainConfig) -> str:

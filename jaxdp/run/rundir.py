@@ -8,15 +8,17 @@ checks. Shared by jaxdp's and torch_ref's trainers; no jax, no torch.
     OUT/checkpoints/            the trainer's own format (orbax for jaxdp, torch.save for torch_ref)
 
 Resumed, every record file keeps what the checkpoint covers and continues after it, so it
-reads like one uninterrupted run.
+reads like one uninterrupted run, whatever moment a kill interrupted (each file's rule:
+docs/checkpoints-and-faults.md, "What a kill leaves").
 """
 
 import json
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 from jaxdp.config.tree import TrainConfig, TrainError
+from jaxdp.runtime.durable import fault_point, write_atomically
 from jaxdp.run.scalars import open_scalar_writer
 
 NOTHING_TO_RESUME = ("--resume: {out} holds no checkpoint to resume from (check --out, or drop --resume "
@@ -30,43 +32,90 @@ CHECKPOINTS_DIR = "checkpoints"
 # ----------------------------------------------------------------------------- records
 
 class JsonLines:
-    """A JSON-lines file; ``enabled=False`` writes nothing (not process 0).
+    """An append-only JSON-lines file; ``enabled=False`` writes nothing (not process 0).
 
-    ``keep_through_step``: the records up to that step are kept and appended after
-    (0 for a fresh run): on resume this drops what the checkpoint does not cover."""
+    ``covers``: on resume, the rows the checkpoint covers (``checkpoint_covers``); None: a fresh
+    run, which keeps none. Rows are appended in step order, so the covered ones are the file's
+    first rows: the file is cut after them, in place, by one truncate. A kill before it leaves the
+    file as it was (the next resume cuts it), a kill after it has dropped only rows no checkpoint
+    covers; the kept rows are never rewritten, so no kill can lose them. ``kept`` and ``dropped``
+    count the rows."""
 
-    def __init__(self, path: str, enabled: bool, keep_through_step: int):
-        self.path = path
+    def __init__(self, path: str, enabled: bool, covers: Optional[Callable[[dict], bool]] = None):
+        self.path, self.enabled = path, enabled
         self._file = None
+        self.kept = self.dropped = 0
         if enabled:
-            kept = self._records_through(keep_through_step)
-            self._file = open(path, "w")
-            for record in kept:
-                self.write(record)
-
-    def _records_through(self, step: int) -> list:
-        if step == 0 or not os.path.exists(self.path):
-            return []
-        with open(self.path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        return [r for r in records if r.get("step", 0) <= step]
+            size, self.kept, self.dropped = _covered_prefix(path, covers or (lambda row: False))
+            fault_point("log_rewrite")
+            with open(path, "ab") as f:
+                f.truncate(size)
+                os.fsync(f.fileno())
+            self._file = open(path, "a")
 
     def write(self, record: dict) -> None:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # in the OS's hands: a killed process loses none of it
+
+    def sync(self) -> None:
+        """On disk, not only in the OS's cache: before a checkpoint that covers these rows."""
+        if self._file:
             self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def resumed(self) -> str:
+        return f"{os.path.basename(self.path)} kept {self.kept} row(s), dropped {self.dropped}"
 
     def close(self) -> None:
         if self._file:
             self._file.close()
 
 
+def _covered_prefix(path: str, covers: Callable[[dict], bool]) -> Tuple[int, int, int]:
+    """(bytes, rows) of the whole rows at the start of ``path`` that ``covers`` accepts, up to the
+    first it does not, and how many rows follow them (a torn last row among them)."""
+    size = kept = dropped = 0
+    if not os.path.exists(path):
+        return size, kept, dropped
+    with open(path, "rb") as f:
+        for line in f:
+            if dropped == 0 and line.endswith(b"\n") and (not line.strip() or _covered(line, covers)):
+                size += len(line)
+                kept += bool(line.strip())
+            else:
+                dropped += 1
+    return size, kept, dropped
+
+
+def _covered(line: bytes, covers: Callable[[dict], bool]) -> bool:
+    try:
+        return covers(json.loads(line))
+    except ValueError:  # not a row (cut short by a power cut): it and what follows go
+        return False
+
+
+def checkpoint_covers(step: int, evaluates_again: bool = False) -> Callable[[dict], bool]:
+    """The rows a checkpoint of ``step`` covers: every row of an earlier step and the step's own,
+    except its evaluation's when the resumed run evaluates that step again (a checkpoint taken at
+    an epoch's end before the epoch's evaluation)."""
+    def covers(row: dict) -> bool:
+        at = row.get("step", 0)
+        return at < step or (at == step and not (evaluates_again and row.get("kind") == "eval"))
+    return covers
+
+
 class MetricsLog:
     """``metrics.jsonl`` and its TensorBoard twin, written by the main process only. Both
-    trainers write the same records through it."""
+    trainers write the same records through it.
 
-    def __init__(self, out: str, enabled: bool, keep_through_step: int, tensorboard: bool = True):
-        self._lines = JsonLines(os.path.join(out, "metrics.jsonl"), enabled, keep_through_step)
+    ``keep_through_step``: the step of the checkpoint resumed from (0: a fresh run), whose rows are
+    kept (``checkpoint_covers``; ``evaluates_again``: but not its evaluation's)."""
+
+    def __init__(self, out: str, enabled: bool, keep_through_step: int, tensorboard: bool = True,
+                 evaluates_again: bool = False):
+        self._lines = JsonLines(os.path.join(out, "metrics.jsonl"), enabled,
+                                _covers(keep_through_step, evaluates_again))
         self._scalars = (open_scalar_writer(os.path.join(out, TENSORBOARD_DIR), keep_through_step)
                          if enabled and tensorboard else None)
 
@@ -83,7 +132,17 @@ class MetricsLog:
         self._lines.write(record)
         if self._scalars is not None:
             self._scalars.write(record)
+        fault_point("metrics_row")
         return record
+
+    def sync(self) -> None:
+        self._lines.sync()
+        if self._scalars is not None:
+            self._scalars.sync()
+
+    def resumed(self) -> list:
+        """What the resume kept and dropped of the log, one phrase (process 0; none elsewhere)."""
+        return [self._lines.resumed()] if self._lines.enabled else []
 
     def close(self) -> None:
         self._lines.close()
@@ -97,23 +156,35 @@ class SampleLog:
     Every process writes its own ``sample_ids.p<process>.jsonl``: one record per step,
     ``{"step", "epoch", "step_in_epoch", "ranks", "ids"}`` with ``ids[i]`` the ids of
     rank ``ranks[i]``. The union of an epoch's ids is what the model was trained on.
+    On resume each file keeps the steps the checkpoint (of step ``keep_through_step``) covers.
     """
 
     def __init__(self, out: str, enabled: bool, keep_through_step: int, process_index: int, process_count: int):
-        self._file = None
+        self._file, self._cut = None, []
         if not enabled:
             return
+        covers = _covers(keep_through_step)
         if process_index == 0:  # files of processes this run does not have: from a larger run
-            for name in os.listdir(out):
+            for name in sorted(os.listdir(out)):
                 p = _sample_log_process(name)
                 if p is not None and p >= process_count:
-                    JsonLines(os.path.join(out, name), True, keep_through_step).close()
-        self._file = JsonLines(sample_log_path(out, process_index), True, keep_through_step)
+                    self._cut.append(JsonLines(os.path.join(out, name), True, covers))
+                    self._cut[-1].close()
+        self._file = JsonLines(sample_log_path(out, process_index), True, covers)
 
     def write(self, step: int, epoch: int, step_in_epoch: int, ranks, ids) -> None:
         if self._file:
             self._file.write({"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
                               "ranks": [int(r) for r in ranks], "ids": ids.tolist()})
+            fault_point("sample_row")
+
+    def sync(self) -> None:
+        if self._file:
+            self._file.sync()
+
+    def resumed(self) -> list:
+        """What the resume kept and dropped of this process's file (and of a larger run's), one phrase each."""
+        return [f.resumed() for f in ([self._file] if self._file else []) + self._cut]
 
     def close(self) -> None:
         if self._file:
@@ -131,9 +202,13 @@ def _sample_log_process(name: str) -> Optional[int]:
     return None
 
 
+def _covers(keep_through_step: int, evaluates_again: bool = False) -> Optional[Callable[[dict], bool]]:
+    return checkpoint_covers(keep_through_step, evaluates_again) if keep_through_step else None
+
+
 def write_config(out: str, cfg: TrainConfig) -> None:
-    with open(os.path.join(out, "config.json"), "w") as f:
-        f.write(cfg.to_json())
+    """Replaced whole: ``--resume OUT`` reads it back, so a kill must never leave half of it."""
+    write_atomically(os.path.join(out, "config.json"), cfg.to_json(), point="config")
 
 
 # ----------------------------------------------------------------------------- earlier runs and resume

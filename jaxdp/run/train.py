@@ -28,6 +28,7 @@ from jaxdp.run.feed import flat_rows as _flat
 from jaxdp.run.feed import make_feed
 from jaxdp.run.flops import train_flops_per_image
 from jaxdp.run.interrupts import DeferredInterrupt
+from jaxdp.runtime.durable import fault_point
 from jaxdp.runtime.mesh import process_ranks
 from jaxdp.run.perf import ProfileWindow, StepCost, Utilisation, peak_flops
 from jaxdp.run.progress import Throughput, progress_bar, say
@@ -82,6 +83,7 @@ def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callab
             # Bookkeeping at once, so that from here on the state in hand and its step number
             # agree wherever an exception lands (the loop spends its time in records.write).
             run.step_done(epoch, step_in_epoch + 1)
+            fault_point("step")
             records.add(run.global_step, epoch, float(run.setup.schedule(run.global_step - 1)), metrics)
             run.sample_log.write(run.global_step, epoch, step_in_epoch, run.ranks, ids)
             records.write(keep_newest=1)  # waits for the previous step; this one is queued
@@ -96,13 +98,13 @@ def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callab
             if cfg.checkpoint_every and run.global_step % cfg.checkpoint_every == 0 and not epoch_done:
                 run.save()
             if stop_after_steps is not None and run.global_step >= stop_after_steps:
-                records.write()
                 batches.close()
                 run.save()
                 run.summary["interrupted"] = True
                 return
-            if run.should_stop():
-                records.write()
+            # Asked at every step (in a job, every process must reach each sync point); at the
+            # epoch's last step the epoch's evaluation and save come first, then the stop below.
+            if run.should_stop() and not epoch_done:
                 batches.close()
                 run.save()
                 run.stop_if_asked()
@@ -114,7 +116,8 @@ def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callab
         run.evaluate(epoch)
         run.position = (epoch + 1, 0) if last == steps_per_epoch else (epoch, last)
         run.save()
-        run.stop_if_asked()
+        if epoch < end_epoch:  # a stop asked for during the run's last step: the run is done, not stopped
+            run.stop_if_asked()
 
 
 class _Run:
@@ -131,9 +134,10 @@ class _Run:
             remove_run_files(cfg.out)
         os.makedirs(cfg.out, exist_ok=True)
         self.checkpoints = checkpoint_dir(cfg.out)  # written and read by the Trainer (Trainer.save/restore)
-        self.state, self.position, self.global_step = start_state(
+        self.state, self.position, self.global_step, found = start_state(
             cfg, setup, self.checkpoints, example_batch(self.strategy.model), self.is_main)
         self.saved = (self.global_step, self.position)  # what the newest checkpoint holds
+        self.first_step = self.global_step  # where this run started (0, or the checkpoint's step)
         barrier("init")  # the processes finish compiling the init at different times (see distributed.barrier)
         if self.is_main and cfg.progress:
             print(startup_header(cfg, self.strategy, self.state, setup.per_device), file=sys.stderr, flush=True)
@@ -146,8 +150,13 @@ class _Run:
         if self.is_main:
             write_config(cfg.out, cfg)
         keep = self.global_step if cfg.resume else 0
-        self.log = MetricsLog(cfg.out, self.is_main, keep, tensorboard=cfg.tensorboard)
+        # A checkpoint at an epoch's end taken before the epoch's evaluation: the resumed run evaluates again.
+        evaluates_again = self.position[1] >= setup.steps_per_epoch
+        self.log = MetricsLog(cfg.out, self.is_main, keep, tensorboard=cfg.tensorboard, evaluates_again=evaluates_again)
         self.sample_log = SampleLog(cfg.out, cfg.log_sample_ids, keep, jax.process_index(), jax.process_count())
+        if self.is_main and found is not None:  # one line: where it resumes, what it removed, kept and dropped
+            print("jaxdp: " + "; ".join([found, *self.log.resumed(), *self.sample_log.resumed()]), file=sys.stderr,
+                  flush=True)
         self.profile = ProfileWindow(cfg.profile_steps, os.path.join(cfg.out, TENSORBOARD_DIR))
         self.summary = {"steps": 0, "eval": None, "interrupted": False, "process_index": jax.process_index()}
 
@@ -161,7 +170,18 @@ class _Run:
         self.position = (epoch, steps_done)
 
     def save(self) -> None:
-        """Checkpoint the state in hand, as a user's ``Trainer.save`` does, with where the run stands."""
+        """Checkpoint the state in hand, as a user's ``Trainer.save`` does, with where the run stands.
+
+        Its rows first, on disk: a resume keeps the rows a checkpoint covers, so a checkpoint must
+        never cover a step whose row is still queued (``_PendingRecords``) or only in the OS's cache.
+        A state already checkpointed where it stands (a stop right after a --checkpoint-every save)
+        is not written again."""
+        if self.saved == (self.global_step, self.position):
+            return
+        if self.records_in_flight is not None:
+            self.records_in_flight.write()
+        self.log.sync()
+        self.sample_log.sync()
         self.trainer.save(self.checkpoints, self.state, record=run_record(self.cfg, self.setup, *self.position),
                           keep=self.cfg.keep)
         self.saved = (self.global_step, self.position)
@@ -176,8 +196,12 @@ class _Run:
         self.summary["eval"] = result
 
     def should_stop(self) -> bool:
-        """Ctrl-C or SIGTERM here; in a job, whether every process stops at this step."""
-        if self.job and preemption_sync_point(self.global_step):
+        """Ctrl-C or SIGTERM here; in a job, whether every process stops at this step.
+
+        JAX's sync manager counts calls: it stops the job at the call after the furthest process's
+        latest, a notice before any call meaning the 1st. So it is given this run's steps (1, 2, ...),
+        not the global step: a resumed job preempted while it started would wait for step 1 forever."""
+        if self.job and preemption_sync_point(self.global_step - self.first_step):
             self.interrupt.preempted_now()
         return self.interrupt.requested
 
@@ -194,10 +218,7 @@ class _Run:
         self.summary["interrupted"] = True
         if self.job or getattr(e, "checkpointed_step", None) is not None:
             return
-        if self.saved != (self.global_step, self.position):
-            if self.records_in_flight is not None:
-                self.records_in_flight.write()
-            self.save()
+        self.save()
         e.checkpointed_step = self.global_step
 
     records_in_flight = None  # the loop's _PendingRecords, set when it starts

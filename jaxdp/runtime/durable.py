@@ -1,0 +1,91 @@
+"""Files that survive a kill, and the seam that proves it.
+
+``write_atomically``: a small file replaced whole (a temporary file beside it, fsync, ``os.replace``,
+fsync of the folder), so a reader finds the old text or the new one, never a half-written file,
+after any kill or power cut.
+
+``fault_point(name)``: a named moment in a run's writes (``POINTS``). A test (or ``make kill-check``)
+sets ``JAXDP_FAULT_AT=<point>[:<nth>][:<signal>][@<process>]`` and the process sends itself
+``<signal>`` (KILL, TERM or INT; default KILL) the ``<nth>`` time it reaches ``<point>`` (default
+1st); ``@<process>``: only in that process of a ``jaxdp launch`` job (``JAXDP_PROCESS_ID``), else in
+every process. So a kill lands exactly there, every time, where a sleep would land anywhere.
+The variable is read once, at import; unset, a point costs one comparison with None.
+"""
+
+import os
+import signal
+import sys
+from typing import Optional
+
+ENV = "JAXDP_FAULT_AT"
+POINTS = {  # name: what is on disk when the process dies there
+    "step": "a step's update is in hand; nothing of it is written yet",
+    "metrics_row": "a row (a step's or an evaluation's) was just appended to metrics.jsonl (by process 0; "
+                   "every process of a job passes the point)",
+    "sample_row": "a step's row was just appended to sample_ids.p<k>.jsonl",
+    "checkpoint_write": "a checkpoint's write has begun and not ended (orbax's temporary folder)",
+    "checkpoint_manifest": "a checkpoint is complete (orbax renamed it), its manifest is not written",
+    "checkpoint_done": "a checkpoint and its manifest are written; the loop has not gone on",
+    "log_rewrite": "on resume, a log's kept rows are found; the rows after them are not yet dropped",
+    "config": "config.json's new text is in its temporary file, not yet in place",
+}
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
+
+
+class _Armed:
+    def __init__(self, spec: str):
+        where, _, process = spec.partition("@")
+        parts = where.split(":")
+        point, nth, kind = (parts + ["1", "KILL"][len(parts) - 1:])[:3]
+        if len(parts) > 3 or point not in POINTS or not nth.isdigit() or int(nth) < 1 or kind not in SIGNALS or \
+                (process and not process.isdigit()):
+            raise ValueError(f"{ENV}={spec!r}: expected <point>[:<nth>][:<signal>][@<process>], a point of "
+                             f"{', '.join(POINTS)} and a signal of {', '.join(SIGNALS)}")
+        self.point, self.nth, self.signal, self.kind = point, int(nth), SIGNALS[kind], kind
+        self.here = not process or process == os.environ.get("JAXDP_PROCESS_ID", "0")
+        self.hits = 0
+
+
+def _armed(spec: Optional[str]) -> Optional[_Armed]:
+    return _Armed(spec) if spec else None
+
+
+_ARMED = _armed(os.environ.get(ENV))
+
+
+def arm(spec: Optional[str]) -> None:
+    """Arm a fault as ``JAXDP_FAULT_AT=spec`` would (None: disarm), for a run inside this process."""
+    global _ARMED
+    _ARMED = _armed(spec)
+
+
+def fault_point(name: str) -> None:
+    """The run passes point ``name`` (one of ``POINTS``): die here if ``JAXDP_FAULT_AT`` says so."""
+    if _ARMED is None or _ARMED.point != name or not _ARMED.here:
+        return
+    _ARMED.hits += 1
+    if _ARMED.hits == _ARMED.nth:
+        print(f"jaxdp: {ENV}: SIG{_ARMED.kind} at {name} (time {_ARMED.nth})", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), _ARMED.signal)
+
+
+def write_atomically(path: str, text: str, point: Optional[str] = None) -> None:
+    """Replace ``path`` by ``text`` whole; ``point``: the fault point between writing and replacing."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if point is not None:
+        fault_point(point)
+    os.replace(tmp, path)
+    sync_folder(os.path.dirname(path) or ".")
+
+
+def sync_folder(path: str) -> None:
+    """fsync a folder, so that a rename or a new file in it survives a power cut, not only a kill."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
