@@ -28,6 +28,7 @@ import pytest
 
 from helpers import require_plugin
 from jaxdp.models import create_model
+from jaxdp.runtime import target as gpu_target
 
 HERE = Path(__file__).parent
 JOB = HERE / "gpu_target_job.py"
