@@ -111,12 +111,23 @@ def pytest_configure(config):
     """One directory for the session's torch parity runs (``parity_tests.torch_side``), made by the
     controlling process before its xdist workers start, so that they all inherit it: a torch run
     that two test modules need is launched once, by whichever worker asks first."""
+    _ctrl_c_as_python_has_it()
     if hasattr(config, "workerinput") or SHARED_CACHE_ENV in os.environ:
         return
     import tempfile
 
     config._jaxdp_torch_cache = tempfile.mkdtemp(prefix="jaxdp-parity-torch-")
     os.environ[SHARED_CACHE_ENV] = config._jaxdp_torch_cache
+
+
+def _ctrl_c_as_python_has_it():
+    """A shell that starts the suite in the background (``make test &``, nohup) hands it SIGINT ignored,
+    and Python then never installs its KeyboardInterrupt handler, here or in the runs the tests launch:
+    the Ctrl-C tests would test the shell. Every process of the suite gets Python's own handler back."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config):
