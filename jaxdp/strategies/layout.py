@@ -120,7 +120,7 @@ def gather_group(chunks: Sequence, shapes: Sequence[Sequence[int]], axis, n: int
     """
     if n == 1:
         # One device's bucket is no collective: XLA drops the all-gather, and the bucket's concatenate
-        # then feeds every slice cut from it, which XLA:GPU fuses into each one: a CNN's zero1 step
+        # then feeds every slice cut from it, which XLA:GPU fuses into each one: an 18-layer CNN's zero1 step
         # compiled for one H100 in 105 s instead of 18 (2 cores). Tensor by tensor, nothing is concatenated.
         return [gather(c, s, axis, n, to) for c, s in zip(chunks, shapes)]
     if any(len(s) == 0 for s in shapes):  # replicated scalars need no gathering
