@@ -339,6 +339,13 @@ BUGS = [
 @pytest.mark.parametrize("bug,category,module", BUGS)
 def test_a_bug_in_the_pair_is_caught_at_step_0_and_named(bug, category, module):
     result = run_pair(EXAMPLE, PairRun(strategy="ddp", **{**SMALL, "steps": 1}), bug=bug)
+    assert_caught_at_step_0_and_named(result, category, module)
+
+
+def assert_caught_at_step_0_and_named(result, category, module):
+    """The run failed at step 0 in ``category``, with the bug seen (not missed), and names where: the
+    module whose output differs first (``None``: every module agrees, so the loss itself differs), or
+    for gradients the first differing one, with no module finding."""
     d = result.divergence
     assert not result.passed and not result.missed_bug and (d.step, d.category) == (0, category), result.message()
     assert d.rel_err > 1e-7, result.message()  # float64 noise is ~1e-15

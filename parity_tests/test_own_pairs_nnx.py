@@ -11,6 +11,7 @@ import pytest
 from parity_tests.config import ParityError
 from parity_tests.own import PairRun, run_pair
 from parity_tests.own.pair import factory
+from parity_tests.test_own_pairs import assert_caught_at_step_0_and_named
 
 EXAMPLE = "examples.parity_own_model_nnx:make_pair"
 SMALL = dict(devices=2, steps=2, batch_per_device=4)
@@ -102,14 +103,6 @@ BUGS = [
 @pytest.mark.parametrize("bug,category,module", BUGS)
 def test_a_bug_in_the_nnx_pair_is_caught_at_step_0_and_named(bug, category, module):
     result = run_pair(EXAMPLE, PairRun(strategy="ddp", **{**SMALL, "steps": 1}), bug=bug)
-    d = result.divergence
-    assert not result.passed and not result.missed_bug and (d.step, d.category) == (0, category), result.message()
-    assert d.rel_err > 1e-7, result.message()
-    if category == "loss":
-        assert result.finding.module == module, result.finding.message()
-        if module is None:
-            assert result.finding.compared >= 10
-        else:  # NNX's path, '/'-joined
-            assert result.finding.flax == module.replace(".", "/"), result.finding.message()
-    else:
-        assert d.key.startswith("grads/") and result.finding is None
+    assert_caught_at_step_0_and_named(result, category, module)
+    if module is not None:  # and on the NNX side by its attribute path, '/'-joined
+        assert result.finding.flax == module.replace(".", "/"), result.finding.message()
