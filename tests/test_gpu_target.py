@@ -174,13 +174,24 @@ def test_zero1_and_zero2_buckets_overlap(h100x8, name):
 def test_argument_bytes_are_the_formulas_state_and_the_batch(h100x8, name):
     """To the byte, as on CPU: the formula's model state (padded), the batch, the BatchNorm statistics
     (replicated) and the step counter."""
-    r = h100x8[name]
-    net = create_model("resnet18", width=64, dtype="bfloat16")
+    assert_arguments_are_state_and_batch(h100x8[name], create_model("resnet18", width=64, dtype="bfloat16"))
+
+
+def assert_arguments_are_state_and_batch(r, net):
     shapes = jax.eval_shape(net.init, jax.random.key(0), jnp.zeros((2, 32, 32, 3), jnp.bfloat16))["batch_stats"]
     stats = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
     state = sum(r["state"]["formula_padded"][part] for part in ("params", "opt", "extra"))
     assert r["batch_bytes"] == 64 * (32 * 32 * 3 * 2 + 4)
-    assert r["memory"]["argument_bytes"] - state - r["batch_bytes"] - stats == 4, name
+    assert r["memory"]["argument_bytes"] - state - r["batch_bytes"] - stats == 4, r["strategy"]
+
+
+def test_dp_compiles_for_a_target_in_pmaps_layout(tmp_path, module_user_env):
+    """dp (``jax.pmap``) from the engine's own step shapes: every leaf with its leading device axis.
+    (Before, ``inspect --target --strategy dp`` failed deep inside jax with an IndexError.)"""
+    require_plugin()
+    r = run_job(tmp_path, module_user_env, "h100", 2, 1, 8, "1,1,1,1", {"dp": "dp"})["dp"]
+    assert (r["target"], r["devices"], r["strategy"]) == ("h100", 2, "dp")
+    assert_arguments_are_state_and_batch(r, create_model("resnet18", width=8, blocks=(1, 1, 1, 1), dtype="bfloat16"))
 
 
 def test_every_gathered_byte_is_counted(h100x8):

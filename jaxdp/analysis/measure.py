@@ -17,7 +17,6 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp import names
 from jaxdp.analysis.axes import axis_report
@@ -31,7 +30,7 @@ from jaxdp.models.batchnorm import BatchNorm
 from jaxdp.optim import make_optimizer
 from jaxdp.runtime.mesh import make_mesh
 from jaxdp.runtime.target import compile_only_devices
-from jaxdp.strategies import conversions, create_strategy, options_of
+from jaxdp.strategies import create_strategy, options_of
 
 
 class InspectError(ValueError):
@@ -122,12 +121,11 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
     global numpy arrays, e.g. ``{"image", "label"}``). The state measured: ``state`` if given
     (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
     for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.engine.init`` (sharded, from ``seed``);
-    for a GPU ``target``, the state's shapes and shardings alone (``conversions.abstract_state``).
+    for a GPU ``target``, the state's and the batch's shapes and shardings alone (``engine.step_shapes``).
     ``schedule``: also the compiled step's collectives and compute in execution order (``schedule.py``)."""
     strategy.learn_structure(batch)
     if target is not None:
-        sharded = shapes_on_mesh(strategy, batch)
-        state = conversions.abstract_state(strategy, batch)
+        state, sharded = strategy.engine.step_shapes(batch)
     else:
         if state is None:
             state = strategy.engine.init(jax.random.key(seed), batch) if variables is None else \
@@ -168,10 +166,3 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
                                  report["opt_bytes_per_param"], report["batch_per_device"], report["image_size"],
                                  report["traffic_formula_bytes"], jax.ShapeDtypeStruct(images.shape[1:], images.dtype))
     return report
-
-
-def shapes_on_mesh(strategy, batch):
-    """``batch`` (host arrays) as shapes split over the strategy's batch axes: nothing is placed."""
-    split = NamedSharding(strategy.mesh, P(strategy.batch_axes))
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=split),
-                                  batch)

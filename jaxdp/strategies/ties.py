@@ -2,9 +2,9 @@
 
 XLA is free to move and merge collectives that do not depend on each other: its scheduler hoists
 a gather to the start of the step if nothing holds it back (every unit's params alive at once:
-temp 5.7 instead of 4.4 Psi bytes, an 18-layer CIFAR CNN at width 32 on CPU), and its combiners merge independent collectives of a kind into one (XLA:GPU
-merged ZeRO-3's eight per-unit reduce-scatters into one after the whole backward, and DDP's
-buckets into two all-reduces). Compiler flags change from version to version; a data dependence
+temp 5.7 instead of 4.4 Psi bytes, an 18-layer CIFAR CNN at width 32 on CPU), and its combiners
+merge independent collectives of a kind into one (XLA:GPU merged ZeRO-3's eight per-unit
+reduce-scatters into one after the whole backward, and DDP's buckets into two all-reduces). Compiler flags change from version to version; a data dependence
 holds in every one. ``after(tree, xs)`` is ``tree`` unchanged in value, but computable only once
 every float array of ``xs`` exists: ``tree + 0 * x[0]``. XLA folds ``x * 0`` for integers only (for
 floats NaN * 0 is NaN), so the dependence stays; a NaN in ``xs`` would reach ``tree``, but then the
