@@ -151,8 +151,8 @@ class Trainer:
         if self.nnx is None:
             raise validate.UsageError("trainer.model(state) gives back an nnx.Module; this Trainer trains a Flax "
                                       "Linen model, whose variables are trainer.canonical(state).params")
-        whole = jax.device_get(self.canonical(state))
-        variables = {"params": whole.params, **whole.model_state}
+        whole = self.canonical(state)  # to host only the model's variables, not the optimizer state
+        variables = jax.device_get({"params": whole.params, **whole.model_state})
         return self.nnx.merge(jax.tree_util.tree_map(jnp.asarray, variables))
 
     def _check(self, example_batch):

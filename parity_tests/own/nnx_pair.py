@@ -111,6 +111,7 @@ def draws(pair: ModelPair, module, example, loss: Callable) -> Optional[str]:
     import jax
 
     from jaxdp.loss.nnx_task import NNXLossError
+    from jaxdp.parallel.tensor import path_name
 
     model, task, own = trained(pair, module, loss, {})
     params = own.pop("params")
@@ -123,7 +124,8 @@ def draws(pair: ModelPair, module, example, loss: Callable) -> Optional[str]:
     except NNXLossError as e:
         return str(e).split(": build it")[0]
     given = set(map(id, closed.jaxpr.invars))
-    advanced = [p for p, v in zip(_leaf_names(own.get("rng_counts", {})), closed.jaxpr.outvars) if id(v) not in given]
+    names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(own.get("rng_counts", {}))]
+    advanced = [p for p, v in zip(names, closed.jaxpr.outvars) if id(v) not in given]
     return f"the nnx.Rngs streams at {', '.join(advanced)} advance" if advanced else None
 
 
@@ -140,9 +142,3 @@ def outputs(pair: ModelPair, module, batch) -> Dict[Tuple[str, ...], Any]:
             value = var.get_value() if isinstance(var, nnx.Variable) else var
             out[tuple(map(str, path[:-1]))] = jax.device_get(value)
     return out
-
-
-def _leaf_names(tree) -> List[str]:
-    import jax
-
-    return ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
