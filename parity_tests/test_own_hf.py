@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from parity_tests.own import PairRun, run_pair  # noqa: E402
 from parity_tests.own.pair import factory  # noqa: E402
+from parity_tests.test_own_pairs import assert_caught_at_step_0_and_named  # noqa: E402
 
 GPT2 = "examples.parity_hf_gpt2:make_pair"
 LEFT_PADDED = "examples.parity_hf_gpt2:left_padded_pair"
@@ -84,10 +85,7 @@ FAILURES = [
 @pytest.mark.parametrize("pair,bug,module", FAILURES)
 def test_a_difference_is_caught_at_step_0_and_named(pair, bug, module):
     result = run_pair(pair, PairRun(strategy="ddp", devices=1, dtype="float64", steps=1, batch_per_device=4), bug=bug)
-    d = result.divergence
-    assert not result.passed and (d.step, d.category) == (0, "loss"), result.message()
-    assert d.rel_err > 1e-7, result.message()  # float64 noise is ~1e-15
-    assert result.finding.module == module, result.finding.message()
+    assert_caught_at_step_0_and_named(result, "loss", module)
 
 
 def test_hf_resnet_lists_and_batchnorm_match_by_themselves():

@@ -359,11 +359,12 @@ def test_two_partials_of_one_factory_have_budgets_of_their_own():
 
 def test_a_channels_last_output_of_a_cube_shape_is_compared_as_channels_first():
     """NHWC against NCHW where C = H = W: the shape cannot tell, so both layouts are tried (localize)."""
-    from parity_tests.own.localize import _comparable, _rel_err
+    from parity_tests.compare import errors
+    from parity_tests.own.localize import _comparable
 
     nchw = np.random.default_rng(0).standard_normal((2, 4, 4, 4))
     layouts = _comparable(np.moveaxis(nchw, 1, -1), nchw)
-    assert len(layouts) == 2 and _rel_err(layouts[0], nchw) > 0.1 and _rel_err(layouts[1], nchw) == 0
+    assert len(layouts) == 2 and errors(layouts[0], nchw)[1] > 0.1 and errors(layouts[1], nchw)[1] == 0
 
 
 # ----------------------------------------------------------------------------- end to end

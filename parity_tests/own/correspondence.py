@@ -67,6 +67,7 @@ import numpy as np
 
 from jaxdp.models.errors import key_listing
 from parity_tests.own import kernels
+from parity_tests.own.held import HELD
 from parity_tests.own.pair import PairError
 
 Key = Tuple[str, ...]  # a Flax variable: (collection, *module path, leaf)
@@ -164,8 +165,6 @@ class Correspondence:
 
     def jax_key(self, link: Link) -> Key:
         """Where jaxdp's state keeps ``link``'s variable: its Flax key, or under ``held`` if held out of params."""
-        from parity_tests.own.held import HELD
-
         return (HELD,) + link.flax[1:] if link.held else link.flax
 
     def to_flax(self, state_dict: Mapping[str, Any], dtype=None) -> Dict[str, Any]:

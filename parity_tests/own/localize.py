@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from parity_tests.compare import errors
 from parity_tests.own import nnx_pair
 from parity_tests.own.correspondence import normalized, spellings
 from parity_tests.own.outputs import arrays
@@ -60,7 +61,7 @@ def first_difference(setup, run) -> Finding:
         if not layouts:
             continue
         compared += 1
-        rel = min(_rel_err(f, t) for f in layouts)
+        rel = min(errors(f, t)[1] for f in layouts)
         if rel > BOUND:
             return Finding(name, "/".join(path), rel, compared)
     return Finding(None, None, 0.0, compared)
@@ -153,9 +154,3 @@ def _comparable(flax_value: np.ndarray, torch_value: np.ndarray) -> List[np.ndar
     if torch_value.ndim >= 3 and np.moveaxis(flax_value, -1, 1).shape == torch_value.shape:
         layouts.append(np.moveaxis(flax_value, -1, 1))  # channels last -> channels first
     return layouts
-
-
-def _rel_err(f: np.ndarray, t: np.ndarray) -> float:
-    scale = float(np.abs(t).max()) if t.size else 0.0
-    diff = float(np.abs(f - t).max()) if t.size else 0.0
-    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
