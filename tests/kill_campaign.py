@@ -177,7 +177,7 @@ def table(results: list) -> str:
     """The summary: per kind of trial, how many and how many exact."""
     groups = {}
     for trial, kills, exact in results:
-        key = (trial.kind if trial.kind != "random" else "random", trial.processes)
+        key = (trial.kind, trial.processes)
         row = groups.setdefault(key, [0, 0, 0])
         row[0] += 1
         row[1] += kills
