@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the run
 
 import jax  # noqa: E402
 
+from jaxdp.run.rundir import latest_orbax_step  # noqa: E402
 from jaxdp.runtime.durable import ENV, POINTS  # noqa: E402
 from launch_helpers import Job, jaxdp, job_env  # noqa: E402
 from run_dirs import differences  # noqa: E402
@@ -118,7 +119,7 @@ class Campaign:
         for kill in [*trial.kills, None]:
             fault = None if kill in (None, "random") else kill
             # A run stopped before its first checkpoint has nothing to resume: it starts again.
-            stage = self.start(run_dir, not checkpointed(run_dir), trial.processes, fault)
+            stage = self.start(run_dir, latest_orbax_step(run_dir) is None, trial.processes, fault)
             if kill == "random":
                 ends.append(self.kill_at_random(stage, trial.processes))
             code, output = finish(stage)
@@ -152,11 +153,6 @@ class Campaign:
         return f"SIG{kind} to process {pids.index(pid)} after {wait:.1f} s"
 
 
-def checkpointed(run_dir: str) -> bool:
-    folder = os.path.join(run_dir, "checkpoints")
-    return os.path.isdir(folder) and any(name.isdigit() for name in os.listdir(folder))
-
-
 def running(stage) -> bool:
     return (stage.poll() if isinstance(stage, subprocess.Popen) else stage.proc.poll()) is None
 
@@ -181,7 +177,7 @@ def table(results: list) -> str:
     """The summary: per kind of trial, how many and how many exact."""
     groups = {}
     for trial, kills, exact in results:
-        key = (trial.kind if trial.kind != "random" else "random", trial.processes)
+        key = (trial.kind, trial.processes)
         row = groups.setdefault(key, [0, 0, 0])
         row[0] += 1
         row[1] += kills
