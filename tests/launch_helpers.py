@@ -131,3 +131,103 @@ def epoch_ids(out, epoch):
     ids = [np.asarray(r["ids"]).ravel() for r in sample_records(out) if r["epoch"] == epoch]
     return np.sort(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
 
+
+
+# A process that starts two grandchildren, one in its own group and one in a new session (as a
+# daemon would), writes "its pid, theirs" to ARGV[1] + its process id, and sleeps: a process tree
+# for the launcher tests that costs no training. Process 1 exits with 3 after writing when ARGV[2]
+# is "fail".
+TREE = ("import os, subprocess, sys, time\n"
+        "kids = [subprocess.Popen(['sleep', '120']), subprocess.Popen(['sleep', '120'], start_new_session=True)]\n"
+        "path = sys.argv[1] + os.environ['JAXDP_PROCESS_ID']\n"
+        "with open(path + '.tmp', 'w') as f:\n"
+        "    f.write(' '.join(str(p) for p in [os.getpid()] + [k.pid for k in kids]))\n"
+        "os.replace(path + '.tmp', path)\n"
+        "if sys.argv[2:] == ['fail'] and os.environ['JAXDP_PROCESS_ID'] == '1':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(120)\n")
+
+
+def tree_pids(prefix: str, processes: int, timeout: float = 60.0):
+    """The pids TREE's processes wrote: [process 0's three, process 1's three, ...]."""
+    deadline = time.monotonic() + timeout
+    paths = [f"{prefix}{k}" for k in range(processes)]
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no pids written to {prefix}*")
+        time.sleep(0.02)
+    pids = []
+    for p in paths:
+        with open(p) as f:
+            pids += [int(x) for x in f.read().split()]
+    return pids
+
+
+def gone_within(pids, seconds: float):
+    """The pids still alive after waiting up to ``seconds`` for all of them to end."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def kill_all(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def sleep_in_rank(path: str) -> None:
+    """A torch_ref rank's work for the launcher test: say its pid (in ``path`` + rank), then sleep."""
+    rank = os.environ["RANK"]
+    with open(f"{path}{rank}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"{path}{rank}.tmp", f"{path}{rank}")
+    time.sleep(120)
+
+
+def _hex_address(text: str) -> str:
+    """/proc/net/tcp{,6}'s hex address -> its IP text (IPv4: one little-endian word; IPv6: four;
+    an IPv4-mapped IPv6 address as its IPv4 address)."""
+    import ipaddress
+
+    raw = bytes.fromhex(text)
+    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def listening(port: int):
+    """The addresses this host listens on at TCP ``port`` (from /proc/net/tcp and tcp6, no tool)."""
+    found = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{name}") as f:
+                rows = [line.split() for line in list(f)[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            address, hex_port = row[1].split(":")
+            if row[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(_hex_address(address))
+    return found
+
+
+# A 2-process job's process, one device each: it joins the job, builds a tiny run's state and the
+# header a run prints (jax 0.10.2 could not list the shards of its step counter), and process 0,
+# which runs the coordinator, prints where this host listens on the coordinator's port.
+BUILD_AND_LISTEN = ("import os, sys\n"
+                    "from jaxdp.config.tree import TrainConfig\n"
+                    "from jaxdp.run.setup import build, example_batch, startup_header\n"
+                    "import jax\n"
+                    "sys.path.insert(0, sys.argv[1])\n"
+                    "from launch_helpers import listening\n"
+                    "cfg = TrainConfig(width=4, blocks=(1, 1, 1, 1), synthetic_size=(16, 8), global_batch_size=4)\n"
+                    "setup = build(cfg)\n"
+                    "state = setup.trainer.init(jax.random.key(0), example_batch(setup.strategy.model))\n"
+                    "sys.stdout.write('HEADER ' + startup_header(cfg, setup.strategy, state, setup.per_device)"
+                    ".splitlines()[-1] + '\\n')\n"
+                    "if jax.process_index() == 0:\n"
+                    "    port = int(os.environ['JAXDP_COORDINATOR'].rsplit(':', 1)[1])\n"
+                    "    sys.stdout.write('LISTENING ' + (' '.join(listening(port)) or 'nothing') + '\\n')\n")

@@ -9,6 +9,8 @@ multi-process entries).
 
 import dataclasses
 import os
+import signal
+import socket
 import sys
 import time
 
@@ -17,12 +19,14 @@ import numpy as np
 import pytest
 
 from jaxdp.config.tree import TrainConfig
-from jaxdp.cli.launch import LaunchError, child_env, plan
-from jaxdp.runtime.distributed import INIT_TIMEOUT_EXIT_CODE, distributed_env, first_host
+from jaxdp.cli import launch as launch_module
+from jaxdp.cli.launch import LaunchError, child_env, coordinator_socket, hold_port, plan
+from jaxdp.runtime.distributed import INIT_TIMEOUT_EXIT_CODE, bind_address, distributed_env, first_host, slurm_port
 from jaxdp.runtime.mesh import MeshError
 from jaxdp.strategies import REGISTRY
 from jaxdp.run.train import train
-from launch_helpers import TINY_ARGS, Job, alive, jaxdp, job_env, records, run_job, sample_records
+from launch_helpers import (BUILD_AND_LISTEN, TINY_ARGS, TREE, Job, alive, gone_within, jaxdp, job_env, kill_all,
+                            records, run_job, sample_records, tree_pids)
 from run_dirs import final_state
 
 JOB_TIMEOUT = 240  # seconds; a loaded 2-core machine needs ~1-2 min for a tiny 2-process run
@@ -35,19 +39,20 @@ def test_launch_sets_torchrun_style_env(tmp_path):
     # processes sharing the pipe could interleave them into one line (seen once in a full suite).
     show = ("import os, sys; sys.stdout.write('|'.join(['ENV', *[str(os.environ.get(k)) for k in ("
             "'JAXDP_COORDINATOR', 'JAXDP_NUM_PROCESSES', 'JAXDP_PROCESS_ID', 'JAXDP_LOCAL_RANK', 'RANK',"
-            " 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'XLA_FLAGS', 'JAX_LOCAL_DEVICE_IDS')]])"
+            " 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'XLA_FLAGS', 'JAX_LOCAL_DEVICE_IDS',"
+            " 'JAXDP_COORDINATOR_BIND')]])"
             " + '\\n')")
     code, out = run_job(["--nprocs", "2", "--devices-per-proc", "3"], [sys.executable, "-c", show], timeout=60)
     assert code == 0, out
     rows = sorted(line.split("|")[1:] for line in out.splitlines() if line.startswith("ENV"))
     assert len(rows) == 2
     coord = rows[0][0]
-    assert coord.startswith("localhost:") and rows[1][0] == coord
+    assert coord.startswith("127.0.0.1:") and rows[1][0] == coord  # one host: loopback
     port = coord.split(":")[1]
     # The launcher sets each process's device count and keeps every other XLA flag it was given.
     flags = " ".join(job_env().get("XLA_FLAGS", "").split() + ["--xla_force_host_platform_device_count=3"])
-    assert rows[0][1:] == ["2", "0", "0", "0", "2", "0", "localhost", port, flags, "0,1,2"]
-    assert rows[1][1:] == ["2", "1", "1", "1", "2", "1", "localhost", port, flags, "3,4,5"]
+    assert rows[0][1:] == ["2", "0", "0", "0", "2", "0", "127.0.0.1", port, flags, "0,1,2", coord]
+    assert rows[1][1:] == ["2", "1", "1", "1", "2", "1", "127.0.0.1", port, flags, "3,4,5", coord]
 
 
 def test_a_failed_process_stops_the_others_promptly(tmp_path):
@@ -69,6 +74,26 @@ def test_a_failed_process_stops_the_others_promptly(tmp_path):
     assert not alive(pids[0])
 
 
+@pytest.mark.parametrize("how", ["the launcher is killed", "a process fails"])
+def test_nothing_a_process_started_outlives_the_job(tmp_path, how):
+    """Each process starts two grandchildren, one in its own session (a daemon's double fork):
+    a SIGKILL of the launcher (an OOM killer, a scheduler), or the job's stop after a failure,
+    ends all six processes within seconds, not only the two the launcher started."""
+    job = Job(["--nprocs", "2"], [sys.executable, "-c", TREE, str(tmp_path / "pids"),
+                                  *(["fail"] if how == "a process fails" else [])])
+    pids = []
+    try:
+        pids = tree_pids(str(tmp_path / "pids"), 2)
+        if how == "the launcher is killed":
+            os.kill(job.proc.pid, signal.SIGKILL)
+        else:
+            assert job.wait(timeout=30) == 3, job.output
+        assert gone_within(pids, 5) == [], job.output
+    finally:
+        kill_all(pids)
+        job.kill()
+
+
 def test_multi_node_plan_and_slurm_variables(monkeypatch):
     assert plan(2)[1:] == (2, 0, 2)
     assert plan(2, coordinator="node0:1234", num_processes=8, process_id=4, environ={}) == ("node0:1234", 8, 4, 2)
@@ -78,8 +103,13 @@ def test_multi_node_plan_and_slurm_variables(monkeypatch):
         plan(1, num_processes=4, process_id=1, environ={})
     slurm = {"SLURM_JOB_ID": "4097", "SLURM_STEP_NODELIST": "gpu[007-009,011],cpu1", "SLURM_NTASKS": "4",
              "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}
-    # srun jaxdp launch --nprocs 2: each SLURM task starts 2 processes.
-    assert plan(2, environ=slurm) == ("gpu007:61441", 8, 4, 2)
+    # srun jaxdp launch --nprocs 2: each SLURM task starts 2 processes. The port comes from the job and
+    # step ids, hashed: job 4097 and job 1 (4096 apart) met at 61441 under job id % 4096, as did two
+    # steps of one job.
+    assert plan(2, environ=slurm) == ("gpu007:61728", 8, 4, 2)
+    assert slurm_port({"SLURM_JOB_ID": "1"}) == 65333
+    assert slurm_port(dict(slurm, SLURM_STEP_ID="1")) == 61878
+    assert all(61440 <= slurm_port({"SLURM_JOB_ID": str(j)}) < 65536 for j in range(0, 10**6, 4093))
     env = child_env({}, "gpu007:61441", 8, 5, 1, 2, None)
     assert (env["JAXDP_PROCESS_ID"], env["RANK"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("5", "5", "1", "gpu007")
     # srun jaxdp train: JAX's own SLURM detection (jax._src.clusters) finds the job.
@@ -89,7 +119,7 @@ def test_multi_node_plan_and_slurm_variables(monkeypatch):
     for k, v in slurm.items():
         monkeypatch.setenv(k, v)
     job = distributed_env()
-    assert (job.coordinator, job.num_processes, job.process_id, job.source) == ("gpu007:61441", 4, 2, "slurm")
+    assert (job.coordinator, job.num_processes, job.process_id, job.source) == ("gpu007:61728", 4, 2, "slurm")
     monkeypatch.setenv("JAXDP_COORDINATOR_PORT", "5000")
     assert distributed_env().coordinator == "gpu007:5000"
     monkeypatch.setenv("SLURM_NTASKS", "1")
@@ -115,6 +145,37 @@ def test_multi_node_plan_and_slurm_variables(monkeypatch):
         distributed_env({"JAXDP_COORDINATOR": "h:1", "JAXDP_NUM_PROCESSES": "2"})
 
 
+def test_the_coordinators_port_is_held_and_its_address_chosen(monkeypatch):
+    """A one-host launch holds a free loopback port from the start (a second launch cannot take it,
+    and process 0's coordinator can still bind it: JAX's server binds with SO_REUSEPORT, as the
+    hold does once bound); a port in use (SLURM's derived one, taken) is one line; the bind follows
+    --coordinator-bind."""
+    said = []
+    coordinator, bind, held = coordinator_socket("127.0.0.1:0", 2, 2, 0, "auto", said.append)
+    try:
+        port = int(coordinator.rsplit(":", 1)[1])
+        assert port > 0 and bind == coordinator and not said
+        with pytest.raises(LaunchError, match=rf"^the coordinator's address 127.0.0.1:{port} is in use on this host"):
+            hold_port(f"127.0.0.1:{port}")
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as server:  # as JAX's gRPC server binds
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind(("::ffff:127.0.0.1", port))
+            server.listen()
+    finally:
+        held.close()
+    assert coordinator_socket("node0:1234", 8, 2, 2, "auto", said.append) == ("node0:1234", None, None)  # not host 0
+    assert bind_address("127.0.0.1:1234", "all") == "[::]:1234"
+    assert bind_address("localhost:1234", "127.0.0.1") == "127.0.0.1:1234"
+    with pytest.raises(ValueError, match="is 192.0.2.1, which is not an address of this host"):
+        bind_address("192.0.2.1:1234")  # TEST-NET-1: never this host's
+    # A host name that is loopback here (Debian's 127.0.1.1 for its own name), in a job across hosts:
+    # said, since the other hosts could not connect.
+    monkeypatch.setattr(launch_module, "bind_address", lambda coordinator, choice: "127.0.0.1:0")
+    coordinator, bind, held = coordinator_socket("node0:0", 4, 2, 0, "auto", said.append)
+    held.close()
+    assert said and "processes on other hosts cannot reach it (--coordinator-bind all" in said[0]
+
+
 # ----------------------------------------------------------------------------- real jobs
 
 def test_a_process_that_never_joins_is_a_clear_error_after_the_timeout(tmp_path):
@@ -133,6 +194,18 @@ def test_a_process_that_never_joins_is_a_clear_error_after_the_timeout(tmp_path)
     assert "within --init-timeout 4 s" in done.stderr
     assert elapsed < 60, elapsed  # imports + 4 s, not JAX's default 5 minutes
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_a_one_host_job_listens_on_loopback_only_and_builds_one_device_per_process():
+    """jaxdp launch --nprocs 2 --devices-per-proc 1: process 0's coordinator listens on 127.0.0.1,
+    not on every interface (JAX's default, [::]: an unauthenticated service open to the network);
+    and each process, one device each, builds its state and the run's header."""
+    code, out = run_job(["--nprocs", "2", "--devices-per-proc", "1"],
+                        [sys.executable, "-c", BUILD_AND_LISTEN, os.path.dirname(__file__)], timeout=JOB_TIMEOUT)
+    assert code == 0, out[-5000:]
+    assert out.count("HEADER model state per device: ") == 2, out[-5000:]
+    listening = [line.split()[1:] for line in out.splitlines() if line.startswith("LISTENING")]
+    assert listening == [["127.0.0.1"]], out[-3000:]
 
 
 EQUIV = dict(width=4, blocks=(1, 1, 1, 1), synthetic_size=(128, 32), global_batch_size=32, epochs=1, lr=0.05,

@@ -77,7 +77,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return launch(command, nprocs=args.nprocs, devices_per_proc=args.devices_per_proc,
                   coordinator=args.coordinator, num_processes=args.num_processes,
-                  process_id=args.process_id, grace_period=args.grace_period)
+                  process_id=args.process_id, grace_period=args.grace_period,
+                  coordinator_bind=args.coordinator_bind)
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +86,11 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices-per-proc", type=int, default=None,
                    help="devices per process: simulated CPU devices, or this many GPUs each")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (several hosts; default: SLURM's"
-                   " first node, else a free localhost port)")
+                   " first node, else a free port on 127.0.0.1)")
+    p.add_argument("--coordinator-bind", default="auto", metavar="auto|all|ADDRESS",
+                   help="where process 0's coordinator listens: auto (default): the address --coordinator's host has "
+                        "on process 0's host (loopback for a one-host launch); all: every interface; or an address. "
+                        "It is unauthenticated: launch across hosts on a trusted network only")
     p.add_argument("--num-processes", type=int, default=None, help="processes in the whole job (several hosts)")
     p.add_argument("--process-id", type=int, default=None, help="id of this host's first process (several hosts)")
     p.add_argument("--grace-period", type=float, default=1.0,

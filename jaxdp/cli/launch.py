@@ -31,13 +31,26 @@ exits non-zero: 128 + signal for a killed process,
 else the process's own exit code. Nobody is left waiting in a collective. A process
 that exits 143 (``jaxdp train`` preempted: the job agreed on a step and every process
 checkpoints it) is not a failure: the others get ``SIGNAL_GRACE_S`` to do the same, and
-the launcher exits 143. Each
-process also dies with the launcher (``PR_SET_PDEATHSIG``) if the launcher itself
-is killed. Ctrl-C (SIGINT) and SIGTERM are passed on to every process (a second
-Ctrl-C kills them; so does the launcher 30 s after the first).
+the launcher exits 143. Ctrl-C (SIGINT) and SIGTERM are passed on to every process
+(a second Ctrl-C kills them; so does the launcher 30 s after the first).
+
+The process tree: each command runs under a small supervisor (``jaxdp.cli.supervise``) in
+its own process group, which the launcher signals. When the launcher dies, by any signal
+(SIGKILL included), every supervisor kills its command and all the command's descendants
+(a wrapper script's real trainer too) within a fraction of a second; when a command exits,
+whatever it left running goes with it.
+
+The coordinator's address: one host, ``127.0.0.1`` and a free port, which the launcher
+holds (a bound socket) for the whole job, so no other launch takes it before process 0
+listens there; process 0's coordinator listens on loopback only. Several hosts (a
+``--coordinator``, or SLURM): it listens on the address the coordinator's host name has on
+process 0's host (``--coordinator-bind``: ``all`` for every interface, or an address).
+Under SLURM the port is derived from the job and step ids (``slurm_port``) and checked free
+on process 0's host. The coordination service is unauthenticated: a job spanning several
+hosts belongs on a trusted network.
 """
 
-import ctypes
+import errno
 import os
 import queue
 import signal
@@ -48,13 +61,16 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from jaxdp.runtime.distributed import ENV_COORDINATOR_PORT, first_host
+from jaxdp.runtime.distributed import (ENV_COORDINATOR_BIND, ENV_COORDINATOR_PORT, bind_address, first_host,
+                                      host_and_port, is_loopback, slurm_port)
 from jaxdp.runtime.startup import with_device_count
 
 POLL_S = 0.05
 COLLATERAL_S = 0.2  # a peer's abort after a real failure lands within this (see _cause)
 SIGNAL_GRACE_S = 30.0  # after Ctrl-C, time for the processes to finish a checkpoint and exit
 PREEMPTED_EXIT = 128 + signal.SIGTERM  # jaxdp train after a preemption (SIGTERM) checkpointed its step
+ONE_HOST = "127.0.0.1"  # a one-host job's coordinator: loopback, not every interface
+SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
 
 
 class LaunchError(ValueError):
@@ -62,10 +78,32 @@ class LaunchError(ValueError):
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now (the usual small race: taken before it is used)."""
+    """A TCP port nothing listens on now (the usual small race: taken before it is used;
+    ``jaxdp launch`` itself holds its port instead, see ``hold_port``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def hold_port(bind: str) -> socket.socket:
+    """A socket bound to ``bind`` (HOST:PORT; port 0: a free one), held while the job runs.
+
+    Bound without ``SO_REUSEPORT``, so a port anything else holds or listens on is refused here,
+    in one line; then the option is set, so that process 0's coordinator (JAX's gRPC server, which
+    binds with ``SO_REUSEPORT``) can bind beside it. A bound socket that does not listen gets no
+    connections; while it exists the kernel hands its port to no one else (no free-port race)."""
+    host, port = host_and_port(bind)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.bind((host, int(port)))
+    except OSError as e:
+        s.close()
+        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise LaunchError(f"the coordinator's address {bind} {why} on this host, where process 0 runs: choose another "
+                          f"--coordinator port (under SLURM: {ENV_COORDINATOR_PORT}) or --coordinator-bind") from None
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return s
 
 
 def plan(nprocs: Optional[int] = None, num_processes: Optional[int] = None, process_id: Optional[int] = None,
@@ -81,14 +119,14 @@ def plan(nprocs: Optional[int] = None, num_processes: Optional[int] = None, proc
         raise LaunchError(f"--nprocs must be >= 1, got {local}")
     if coordinator is None and "SLURM_PROCID" in env and "SLURM_NTASKS" in env and num_processes is None:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
-        port = env.get(ENV_COORDINATOR_PORT) or str(61440 + int(env.get("SLURM_JOB_ID", "0")) % 4096)
+        port = env.get(ENV_COORDINATOR_PORT) or str(slurm_port(env))
         coordinator = f"{first_host(nodes)}:{port}"
         num_processes = int(env["SLURM_NTASKS"]) * local
         process_id = int(env["SLURM_PROCID"]) * local if process_id is None else process_id
     if coordinator is None:
         if num_processes not in (None, local) or process_id not in (None, 0):
             raise LaunchError("--num-processes/--process-id span several hosts: give --coordinator HOST:PORT too")
-        return f"localhost:{free_port()}", local, 0, local
+        return f"{ONE_HOST}:0", local, 0, local  # port 0: launch() picks a free one and holds it
     if ":" not in coordinator:
         raise LaunchError(f"--coordinator {coordinator!r} must be HOST:PORT")
     total = local if num_processes is None else num_processes
@@ -99,7 +137,8 @@ def plan(nprocs: Optional[int] = None, num_processes: Optional[int] = None, proc
 
 
 def child_env(base: Dict[str, str], coordinator: str, total: int, process_id: int, local_rank: int,
-              local_count: int, devices_per_proc: Optional[int]) -> Dict[str, str]:
+              local_count: int, devices_per_proc: Optional[int], bind: Optional[str] = None) -> Dict[str, str]:
+    """Process ``process_id``'s environment; ``bind``: where process 0's coordinator listens."""
     env = dict(base)
     host, port = coordinator.rsplit(":", 1)
     env.update({
@@ -113,15 +152,73 @@ def child_env(base: Dict[str, str], coordinator: str, total: int, process_id: in
         env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices_per_proc)
         first = local_rank * devices_per_proc
         env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(first + i) for i in range(devices_per_proc))
+    if bind is not None:
+        env[ENV_COORDINATOR_BIND] = bind
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL me when the launcher dies (Linux; elsewhere a no-op)."""
+def coordinator_socket(coordinator: str, total: int, local: int, first: int, choice: str,
+                       say) -> Tuple[str, Optional[str], Optional[socket.socket]]:
+    """(coordinator, where process 0's coordinator binds, the socket holding that port) for this
+    host; (coordinator, None, None) on a host without process 0. See the module docstring."""
+    if first != 0:
+        return coordinator, None, None
+    host, port = host_and_port(coordinator)
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+        bind = bind_address(coordinator, choice)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    held = hold_port(bind)
+    if port == "0":  # one host: the port just picked
+        port = str(held.getsockname()[1])
+        coordinator, bind = f"{host}:{port}", f"{bind.rsplit(':', 1)[0]}:{port}"
+    if total > local and choice == "auto" and is_loopback(bind) and not is_loopback(coordinator):
+        say(f"warning: --coordinator {coordinator} is {bind.rsplit(':', 1)[0]} on this host, a loopback address: the "
+            f"coordinator listens there only, and processes on other hosts cannot reach it (--coordinator-bind all "
+            f"to listen everywhere)")
+    return coordinator, bind, held
+
+
+class Supervised:
+    """One process of the job: the user's command under ``supervise.py`` (see its docstring).
+    ``pid`` is the command's own, also its process group's id."""
+
+    def __init__(self, command: Sequence[str], env: Dict[str, str]):
+        read, write = os.pipe()
+        try:
+            self.popen = subprocess.Popen([sys.executable, "-I", "-S", SUPERVISOR, str(os.getpid()), str(write), "--",
+                                           *command], env=env, start_new_session=True, pass_fds=(write,))
+        finally:
+            os.close(write)
+        self._answer = os.fdopen(read, "rb")
+        self.pid: Optional[int] = None
+        self.command = command
+
+    def started(self) -> int:
+        """The command's pid, once its supervisor has started it; LaunchError if it could not."""
+        with self._answer:
+            answer = self._answer.read().decode()
+        if not answer.startswith("pid "):
+            self.popen.wait()
+            why = answer[len("error "):] if answer.startswith("error ") else "its supervisor did not start"
+            raise LaunchError(f"cannot start {self.command[0]!r}: {why}")
+        self.pid = int(answer.split()[1])
+        return self.pid
+
+    def signal(self, signum: int) -> None:
+        try:
+            if self.pid is None:  # not started yet: its supervisor passes the signal on
+                self.popen.send_signal(signum)
+            else:
+                os.killpg(self.pid, signum)  # its group: the command and anything it started there
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def poll(self) -> Optional[int]:
+        return self.popen.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        return self.popen.wait(timeout)
 
 
 def describe(code: int) -> str:
@@ -136,18 +233,20 @@ def describe(code: int) -> str:
 
 def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_proc: Optional[int] = None,
            coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-           process_id: Optional[int] = None, grace_period: float = 1.0) -> int:
+           process_id: Optional[int] = None, grace_period: float = 1.0, coordinator_bind: str = "auto") -> int:
     """Start the processes, wait for all; on the first failure stop the rest. Returns the exit status."""
     if not command:
         raise LaunchError("no command to launch: jaxdp launch [options] -- jaxdp train ...")
     if devices_per_proc is not None and devices_per_proc < 1:
         raise LaunchError(f"--devices-per-proc must be >= 1, got {devices_per_proc}")
     coordinator, total, first, local = plan(nprocs, num_processes, process_id, coordinator)
-    procs: List[subprocess.Popen] = []
+    procs: List[Supervised] = []
     ids = list(range(first, first + local))
 
     def say(message: str) -> None:
         print(f"jaxdp launch: {message}", file=sys.stderr, flush=True)
+
+    coordinator, bind, held = coordinator_socket(coordinator, total, local, first, coordinator_bind, say)
 
     stop_signal = []
 
@@ -155,19 +254,17 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
         # First Ctrl-C: pass it on (each process may checkpoint and exit). Again: kill.
         stop_signal.append((signum, time.monotonic()))
         for p in procs:
-            _signal(p, signum if len(stop_signal) == 1 else signal.SIGKILL)
+            p.signal(signum if len(stop_signal) == 1 else signal.SIGKILL)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for k, pid in enumerate(ids):
-            env = child_env(os.environ, coordinator, total, pid, k, local, devices_per_proc)
-            try:
-                procs.append(subprocess.Popen(list(command), env=env, start_new_session=True,
-                                              preexec_fn=_die_with_parent))
-            except OSError as e:  # no such program, not executable: the user's command, said in one line
-                raise LaunchError(f"cannot start {command[0]!r}: {e.strerror}") from None
-        say(f"started process(es) {ids[0]}..{ids[-1]} of {total}, coordinator {coordinator}, pids "
-            + " ".join(str(p.pid) for p in procs))
+            procs.append(Supervised(command, child_env(os.environ, coordinator, total, pid, k, local,
+                                                       devices_per_proc, bind)))
+        pids = [p.started() for p in procs]  # a command that cannot start: one line, the others stopped
+        where = f" (listening on {bind})" if bind and not bind.startswith(coordinator.rsplit(":", 1)[0] + ":") else ""
+        say(f"started process(es) {ids[0]}..{ids[-1]} of {total}, coordinator {coordinator}{where}, pids "
+            + " ".join(map(str, pids)))
         running = dict(zip(ids, procs))
         exits = _exit_queue(running)
         while running:
@@ -202,6 +299,8 @@ def launch(command: Sequence[str], *, nprocs: Optional[int] = None, devices_per_
         _stop([p for p in procs if p.poll() is None], grace_period)
         for s, handler in old.items():
             signal.signal(s, handler)
+        if held is not None:
+            held.close()
 
 
 def _exit_queue(running) -> "queue.Queue":
@@ -240,21 +339,14 @@ def _cause(pid: int, code: int, exits: "queue.Queue", running) -> Tuple[int, int
     return not_abort[0] if not_abort else (pid, code)
 
 
-def _signal(p: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(p.pid, signum)  # its session: the process and anything it started
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _stop(procs, grace_period: float) -> None:
     procs = list(procs)
     for p in procs:
-        _signal(p, signal.SIGTERM)
+        p.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_period
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _signal(p, signal.SIGKILL)
+            p.signal(signal.SIGKILL)  # the command's group; its supervisor then sweeps the rest and exits
             p.wait()

@@ -7,7 +7,14 @@ Where the job comes from, first match wins:
 2. the clusters JAX itself detects for ``jax.distributed.initialize()``
    (``jax._src.clusters``: SLURM's ``srun``, Open MPI's ``mpirun``, Cloud TPU, Kubernetes
    JobSets), asked for the same coordinator, process count and id JAX would pick.
-   ``JAXDP_COORDINATOR_PORT`` (or JAX's own ``JAX_COORDINATOR_PORT``) overrides the port.
+   ``JAXDP_COORDINATOR_PORT`` (or JAX's own ``JAX_COORDINATOR_PORT``) overrides the port;
+   under SLURM it is derived from the job and step ids (``slurm_port``), as ``jaxdp launch`` does.
+
+Where process 0's coordinator listens (``bind_address``): ``JAXDP_COORDINATOR_BIND`` (set by
+``jaxdp launch``), else JAX's ``JAX_COORDINATOR_BIND_ADDRESS``, else the address the coordinator's
+host name has here: loopback for a one-host job, the advertised interface for several hosts.
+JAX's own default, every interface (``[::]``), would open the unauthenticated service to any
+network the host is on.
 
 Unlike a bare ``jax.distributed.initialize()``, a detected cluster does not restrict each
 process to one device (JAX's SLURM default: GPU ``SLURM_LOCALID`` only): one ``srun``
@@ -23,10 +30,13 @@ A cluster's detection imports jax then, before XLA's flags are set, which is ear
 reads them when it creates its backend.
 """
 
+import ipaddress
 import os
+import socket
 import sys
 import threading
 import warnings
+import zlib
 from typing import Mapping, Optional
 
 from jaxdp.runtime.mesh import MeshError
@@ -38,6 +48,8 @@ ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDP_PROCESS_ID"
 ENV_LOCAL_RANK = "JAXDP_LOCAL_RANK"  # this process's index on its host
 ENV_COORDINATOR_PORT = "JAXDP_COORDINATOR_PORT"  # a detected cluster: overrides the port JAX derives
+ENV_COORDINATOR_BIND = "JAXDP_COORDINATOR_BIND"  # host:port process 0's coordinator listens on
+SLURM_PORTS = (61440, 4096)  # first, count: above Linux's ephemeral ports (32768-60999), as JAX's choice
 
 INIT_TIMEOUT_EXIT_CODE = 3  # a process that gave up waiting for the others
 ENV_ONLY_CLUSTERS = ("slurm", "ompi")  # detected from variables alone (others query a server)
@@ -71,7 +83,7 @@ def distributed_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Dis
         if missing:
             raise MeshError(f"multi-process environment is incomplete: {', '.join(missing)} not set")
         return DistributedEnv(env[ENV_COORDINATOR], _int_env(env, ENV_NUM_PROCESSES),
-                              _int_env(env, ENV_PROCESS_ID), int(env.get(ENV_LOCAL_RANK, 0)), "jaxdp")
+                              _int_env(env, ENV_PROCESS_ID), _int_env(env, ENV_LOCAL_RANK, 0), "jaxdp")
     return _detected_cluster(env)
 
 
@@ -91,6 +103,8 @@ def _detected_cluster(env: Mapping[str, str]) -> Optional[DistributedEnv]:
             if count < 2:
                 return None  # e.g. a one-task srun: a single process
             port = env.get(ENV_COORDINATOR_PORT) or env.get("JAX_COORDINATOR_PORT")
+            if port is None and cluster.name == "slurm":
+                port = str(slurm_port(env))  # not JAX's job id % 4096: see slurm_port
             coordinator = cluster.get_coordinator_address(timeout_secs=None, override_coordinator_port=port)
             local = cluster.get_local_process_id()
             return DistributedEnv(coordinator, count, cluster.get_process_id(), local or 0, cluster.name)
@@ -105,11 +119,66 @@ def _detected_cluster(env: Mapping[str, str]) -> Optional[DistributedEnv]:
     return None
 
 
-def _int_env(env: Mapping[str, str], key: str) -> int:
+def _int_env(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
+    if key not in env and default is not None:
+        return default
     try:
         return int(env[key])
     except ValueError:
         raise MeshError(f"{key}={env[key]!r} is not an integer") from None
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The coordinator's port for a SLURM job step: every task computes the same one.
+
+    From the job id and the step id both (two steps of one job, ``srun ... &`` twice, run at once),
+    hashed: ``job id % 4096`` (JAX's choice) gives jobs 4096 ids apart, which a busy cluster runs
+    side by side, the same port. A collision left is found by ``jaxdp launch`` on process 0's host,
+    which checks the port is free (``JAXDP_COORDINATOR_PORT`` picks another)."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+    first, count = SLURM_PORTS
+    return first + zlib.crc32(f"{env.get('SLURM_JOB_ID', '0')}.{step}".encode()) % count
+
+
+def host_and_port(address: str):
+    """``host:port`` -> (host, port), an IPv6 host without its brackets."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``host:port`` names this host's loopback (127.0.0.0/8, ::1, localhost)."""
+    host = host_and_port(address)[0]
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_address(coordinator: str, choice: str = "auto") -> str:
+    """Where process 0's coordinator listens (HOST:PORT, the coordinator's port).
+
+    ``auto``: the address the coordinator's host name has on this host (``127.0.0.1`` stays
+    loopback; ``node0`` its interface); ``all``: every interface (JAX's own default, ``[::]``);
+    anything else: that address or host name. ValueError, in one line, for a name that does not
+    resolve or an address that is not this host's."""
+    host, port = host_and_port(coordinator)
+    if choice == "all":
+        return f"[::]:{port}"
+    name = host if choice == "auto" else choice.strip("[]")
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"the coordinator's host {name!r} does not resolve on this host, where process 0 runs: "
+                         f"{e}") from None
+    ip = sockaddr[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:  # one of this host's addresses?
+        try:
+            probe.bind((ip, 0))
+        except OSError as e:
+            raise ValueError(f"the coordinator's host {name!r} is {ip}, which is not an address of this host, where "
+                             f"process 0 runs ({e.strerror}): check --coordinator, or give --coordinator-bind") from None
+    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
 
 
 def first_host(nodelist: str) -> str:
@@ -161,6 +230,13 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
         coordinator_address = coordinator_address or env.coordinator
         num_processes = env.num_processes if num_processes is None else num_processes
         process_id = env.process_id if process_id is None else process_id
+    bind = None
+    if process_id == 0:  # the one process that runs the coordination service
+        bind = os.environ.get(ENV_COORDINATOR_BIND) or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+        try:
+            bind = bind or bind_address(coordinator_address)
+        except ValueError as e:
+            raise MeshError(str(e)) from None
     # Only affects the CPU backend, so it is safe to set on GPU hosts too.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     joined = threading.Event()
@@ -181,7 +257,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
         # local_device_ids=[SLURM_LOCALID] and hide every GPU of the host but one.
         jax.distributed.initialize(
             coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
-            cluster_detection_method="deactivate",
+            coordinator_bind_address=bind, cluster_detection_method="deactivate",
             initialization_timeout=int(timeout_s) + 60, heartbeat_timeout_seconds=int(heartbeat_timeout_s),
         )
     finally:

@@ -75,8 +75,10 @@ class ShardMapEngine(Engine):
                            opt_state=init_opt(params), extra=s.init_extra(params))
         # The counter and the sync's state start where the step puts them: an unplaced counter made
         # the second step see new input shardings, and trace and compile the whole step again.
+        # The counter from the host: jax 0.10.2's device_put of a one-device array onto a sharding over
+        # several processes of one device each builds an array whose shards cannot be listed.
         placed = s.state_shardings(state)
-        return state.replace(step=jax.device_put(state.step, placed.step),
+        return state.replace(step=jax.device_put(np.zeros((), np.int32), placed.step),
                              extra=None if state.extra is None else jax.device_put(state.extra, placed.extra))
 
     def init_programs(self, example_batch):
