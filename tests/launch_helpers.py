@@ -148,19 +148,24 @@ TREE = ("import os, subprocess, sys, time\n"
         "time.sleep(120)\n")
 
 
-def tree_pids(prefix: str, processes: int, timeout: float = 60.0):
-    """The pids TREE's processes wrote: [process 0's three, process 1's three, ...]."""
+def wait_for_files(paths, timeout: float = 60.0):
+    """The text of each of ``paths``, once all exist (each written whole: a rename)."""
     deadline = time.monotonic() + timeout
-    paths = [f"{prefix}{k}" for k in range(processes)]
     while not all(os.path.exists(p) for p in paths):
         if time.monotonic() > deadline:
-            raise AssertionError(f"no pids written to {prefix}*")
+            raise AssertionError(f"not written within {timeout} s: {[str(p) for p in paths if not os.path.exists(p)]}")
         time.sleep(0.02)
-    pids = []
+    texts = []
     for p in paths:
         with open(p) as f:
-            pids += [int(x) for x in f.read().split()]
-    return pids
+            texts.append(f.read())
+    return texts
+
+
+def tree_pids(prefix: str, processes: int, timeout: float = 60.0):
+    """The pids TREE's processes wrote: [process 0's three, process 1's three, ...]."""
+    texts = wait_for_files([f"{prefix}{k}" for k in range(processes)], timeout)
+    return [int(x) for text in texts for x in text.split()]
 
 
 def gone_within(pids, seconds: float):

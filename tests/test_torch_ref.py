@@ -321,6 +321,38 @@ def test_launcher_raises_with_the_failing_ranks_traceback(init_state):
                   timeout_s=120)
 
 
+def test_a_killed_caller_takes_its_ranks_and_temporary_directory_with_it(tmp_path):
+    """The ranks are the fork server's children: SIGKILL of the process in run_ranks (an OOM
+    killer, a scheduler) must end both within seconds and remove the launcher's temporary
+    directory (they ran on for their 45 s timeout, and the directory stayed)."""
+    from launch_helpers import gone_within, kill_all
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = ("import sys\n"
+              "import torch_ref.launcher as launcher\n"
+              "from launch_helpers import sleep_in_rank\n"
+              "launcher.PRELOAD = ['torch']  # what the ranks need here: less to import\n"
+              "launcher.run_ranks(2, sleep_in_rank, [(sys.argv[1],)] * 2, backend='gloo', timeout_s=60)\n")
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    caller = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "rank")], env=env, start_new_session=True)
+    pids = []
+    try:
+        from launch_helpers import wait_for_files
+
+        pids = [int(text) for text in wait_for_files([tmp_path / "rank0", tmp_path / "rank1"], timeout=120)]
+        ours = lambda: [name for name in os.listdir(tmp) if name.startswith("torch_ref_launch_")]  # noqa: E731
+        assert len(ours()) == 1  # (multiprocessing's own pymp-* is Python's, left by any SIGKILLed user)
+        caller.kill()
+        caller.wait()
+        assert gone_within(pids, 5) == []
+        assert ours() == []
+    finally:
+        kill_all(pids)
+        if caller.poll() is None:
+            caller.kill()
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 def _torchrun(args, out):

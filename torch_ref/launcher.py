@@ -21,7 +21,10 @@ wait in a collective until the process-group timeout) and raises ``LaunchError``
 traceback. A run that exceeds ``timeout_s`` is killed the same way, after each straggler
 has dumped its Python stacks into the error (``faulthandler`` on SIGUSR1): a hang names
 the line it hangs on. Ranks leave with ``os._exit`` once their results are written (see
-``_worker`` for the torch teardown deadlock this avoids).
+``_worker`` for the torch teardown deadlock this avoids). The ranks are the fork server's
+children, not the caller's, so a caller killed outright (SIGKILL, an OOM killer) cannot stop them:
+each rank watches the caller (``_end_with_caller``) and, once it is gone, removes the temporary
+directory and exits, within a fraction of a second.
 
 Devices and backend: rank r gets torchrun's variables, ``RANK=r``, ``WORLD_SIZE=N``,
 ``LOCAL_RANK=r``, ``LOCAL_WORLD_SIZE=N`` (``rank_env``), so on nccl it computes on
@@ -39,10 +42,12 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import select
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -97,11 +102,44 @@ def rank_info() -> dict:
                                                    or torch.backends.cudnn.allow_tf32)}
 
 
+def _end_with_caller(caller: int, workdir: str) -> None:
+    """In a rank: once process ``caller`` (the one in ``run_ranks``) is gone, however it died,
+    remove ``workdir`` and end this rank, from a thread (the main one may be in a collective)."""
+    def watch():
+        try:
+            handle = os.pidfd_open(caller)  # readable when the process exits: no pid-reuse race
+        except ProcessLookupError:
+            handle = None  # gone already
+        except (OSError, AttributeError):  # no pidfd (not Linux, an old kernel): poll
+            handle = None
+            while _alive(caller):
+                time.sleep(0.2)
+        if handle is not None:
+            select.select([handle], [], [])
+        shutil.rmtree(workdir, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="torch_ref-caller-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def _worker(rank: int, world: int, workdir: str, backend: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple, rank_setup: Optional[Callable[[Any], None]] = None) -> None:
+            fn: Callable[..., Any], args: tuple, rank_setup: Optional[Callable[[Any], None]] = None,
+            caller: Optional[int] = None) -> None:
     """One rank: torchrun's variables, TF32 off on CUDA, ``rank_setup(device)`` if given, the
     process group, ``fn(*args)``; its return value and ``rank_info()`` are pickled to
-    ``result<rank>.pkl``."""
+    ``result<rank>.pkl``. It ends, and removes ``workdir``, when process ``caller`` does."""
+    if caller is not None:
+        _end_with_caller(caller, workdir)
     code = 1
     stacks = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # for _wait on a hang
@@ -193,7 +231,8 @@ def run_ranks(world_size: int, fn: Callable[..., Any], rank_args: Optional[Seque
     try:
         for r in range(world_size):
             p = ctx.Process(target=_worker, name=f"torch_ref-rank{r}", daemon=True,
-                            args=(r, world_size, workdir, name, timeout_s, fn, tuple(rank_args[r]), rank_setup))
+                            args=(r, world_size, workdir, name, timeout_s, fn, tuple(rank_args[r]), rank_setup,
+                              os.getpid()))
             p.start()
             procs.append(p)
         _wait(procs, workdir, timeout_s)
