@@ -247,6 +247,7 @@ def test_dropout_units_and_factories_are_refused_in_one_line(no_ranks):
     assert "lambda or a local function" in _one_line(lambda: example().make_pair())
     assert "not the pair: the torch ranks are separate processes" in _one_line(example().make_pair())
     assert "cannot import 'no_such_module'" in _one_line("no_such_module:make_pair")
+    assert _one_line("os:system").startswith("os:system takes arguments (command): a pair factory is called with none")
     assert "--width does not apply to --pair" in _one_line(EXAMPLE, width=8)
     with pytest.raises(ParityError, match="bug skipped_grad_sync cannot show in this run: it needs --devices >= 2"):
         run_pair(EXAMPLE, PairRun(devices=1), bug="skipped_grad_sync")

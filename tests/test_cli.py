@@ -123,6 +123,33 @@ def test_launch_blames_the_real_failure_when_a_peers_abort_is_reaped_first():
     assert launch._cause(2, -signal.SIGABRT, queue.Queue(), {}) == (2, -signal.SIGABRT)  # nothing better: the first
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "--devices", "0"], "jaxdp inspect: error: argument --devices: must be >= 1, got 0"),  # was: 8 used
+    (["plan", "--devices", "-4"], "jaxdp plan: error: argument --devices: must be >= 1, got -4"),  # blamed the batch
+])
+def test_a_device_count_below_one_is_refused_naming_its_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == message
+
+
+def test_bad_job_variables_are_one_line(tmp_path, monkeypatch, capsys):
+    """JAXDP_LOCAL_RANK=x was int()'s traceback; JAXDP_FAULT_AT=bogus was raised at import."""
+    for k, v in {"JAXDP_COORDINATOR": "127.0.0.1:1", "JAXDP_NUM_PROCESSES": "2", "JAXDP_PROCESS_ID": "0",
+                 "JAXDP_LOCAL_RANK": "x"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["train", "--out", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err == "jaxdp: error: JAXDP_LOCAL_RANK='x' is not an integer\n"
+    done = subprocess.run([sys.executable, "-m", "jaxdp.cli", "train", "--out", str(tmp_path / "b")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", JAXDP_FAULT_AT="bogus"))
+    assert done.returncode == 2
+    assert done.stderr.startswith("jaxdp: error: JAXDP_FAULT_AT='bogus': expected <point>") and \
+        done.stderr.count("\n") == 1, done.stderr
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
 def test_bench_with_nothing_to_run_says_why():
     done = run_cli("bench", "--devices", "3", "--global-batch-size", "8", "--no-torch", "--out", os.devnull)
     assert done.returncode == 2, done.stderr

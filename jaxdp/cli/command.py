@@ -20,7 +20,7 @@ from typing import List, Optional
 from jaxdp import __version__
 from jaxdp.names import ChoiceError
 from jaxdp.config import files as config_file
-from jaxdp.runtime import startup
+from jaxdp.runtime import durable, startup
 from jaxdp.cli.commands import Command, CommandError, registered
 from jaxdp.cli.inspect_command import INSPECT
 from jaxdp.cli.plan_command import PLAN
@@ -108,7 +108,7 @@ def _user_errors():
     from jaxdp.strategies import StrategyError
 
     return (CommandError, LaunchError, CheckpointError, DatasetError, MeshError, ModelError, ChoiceError, ConfigError,
-            StrategyError, TrainError)
+            StrategyError, TrainError, durable.FaultSpecError)
 
 
 def add_train_command_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +182,7 @@ def _main(argv: Optional[List[str]]) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
+            durable.check_fault_spec()  # a bad JAXDP_FAULT_AT: said now, not at the first write
             args = with_file_options(parser, argv, args)
             check_config(config_from_args(args))  # e.g. --devices 0 before it reaches XLA
         _simulate_devices(args)

@@ -5,6 +5,7 @@ Jax-free at import, as the whole parser: ``run`` imports ``jaxdp.analysis`` (and
 arguments are parsed and ``--devices`` has set XLA's device count.
 """
 
+import argparse
 import json
 import math
 import sys
@@ -22,9 +23,21 @@ DEFAULT_DEVICES = 8
 FLAGS = options_where(inspect=True)  # the strategy options whose fields say inspect takes them
 STRATEGY_OPTIONS = tuple(n for n in FLAGS if n != "mesh_shape")  # passed on; mesh_shape is inspect's own argument
 
+def at_least_one(text: str) -> int:
+    """A count such as ``--devices``: a whole number >= 1 (argparse's one line naming the flag otherwise;
+    ``--devices 0`` fell back to the default 8, ``plan --devices -4`` blamed --global-batch-size)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_inspect_args(p) -> None:
     p.add_argument("--strategy", default="zero3", metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
-    p.add_argument("--devices", type=int, default=None,
+    p.add_argument("--devices", type=at_least_one, default=None,
                    help=f"devices (simulated on CPU; default {DEFAULT_DEVICES}); with --target, GPUs per host")
     add_target_flags(p)
     add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
@@ -58,7 +71,8 @@ def add_target_flags(p) -> None:
     p.add_argument("--target", default=None, metavar="|".join(GPUS),
                    help="compile for this GPU, without one (compile-only devices: jaxdp.runtime.target); "
                         "--devices is then GPUs per host")
-    p.add_argument("--hosts", type=int, default=None, help="with --target: hosts of --devices GPUs each (default 1)")
+    p.add_argument("--hosts", type=at_least_one, default=None,
+                   help="with --target: hosts of --devices GPUs each (default 1)")
 
 
 def target_of(args):

@@ -13,7 +13,7 @@ import re
 
 from jaxdp import registry
 from jaxdp.cli.commands import Command, CommandError
-from jaxdp.cli.inspect_command import add_model_args, add_target_flags, target_of
+from jaxdp.cli.inspect_command import add_model_args, add_target_flags, at_least_one, target_of
 from jaxdp.runtime.target import Target, TargetError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -29,7 +29,7 @@ def memory_size(text: str) -> float:
 
 
 def add_plan_args(p) -> None:
-    p.add_argument("--devices", type=int, default=8,
+    p.add_argument("--devices", type=at_least_one, default=8,
                    help="devices N in all (compiled for N simulated CPU devices, or N GPUs of --target)")
     p.add_argument("--device-memory", type=memory_size, default=None,
                    help="memory per device, e.g. 80GiB (default: the --target's, else 80GiB)")

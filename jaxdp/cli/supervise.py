@@ -101,7 +101,10 @@ def exit_like(status: int) -> None:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the command's crash, not a core of this one
-        signal.signal(sig, signal.SIG_DFL)
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL's action cannot be set, nor needs to be
+            pass
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)  # a signal whose default is not to die
     os._exit(os.waitstatus_to_exitcode(status))

@@ -9,7 +9,9 @@ sets ``JAXDP_FAULT_AT=<point>[:<nth>][:<signal>][@<process>]`` and the process s
 ``<signal>`` (KILL, TERM or INT; default KILL) the ``<nth>`` time it reaches ``<point>`` (default
 1st); ``@<process>``: only in that process of a ``jaxdp launch`` job (``JAXDP_PROCESS_ID``), else in
 every process. So a kill lands exactly there, every time, where a sleep would land anywhere.
-The variable is read once, at import; unset, a point costs one comparison with None.
+The variable is read once, at import; unset, a point costs a comparison with None. A value that
+does not parse is raised (``FaultSpecError``) by ``check_fault_spec``, which ``jaxdp train`` calls
+first (one line), and by the first point, never at import.
 """
 
 import os
@@ -32,6 +34,10 @@ POINTS = {  # name: what is on disk when the process dies there
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 
 
+class FaultSpecError(ValueError):
+    """A ``JAXDP_FAULT_AT`` that does not parse."""
+
+
 class _Armed:
     def __init__(self, spec: str):
         where, _, process = spec.partition("@")
@@ -39,7 +45,7 @@ class _Armed:
         point, nth, kind = (parts + ["1", "KILL"][len(parts) - 1:])[:3]
         if len(parts) > 3 or point not in POINTS or not nth.isdigit() or int(nth) < 1 or kind not in SIGNALS or \
                 (process and not process.isdigit()):
-            raise ValueError(f"{ENV}={spec!r}: expected <point>[:<nth>][:<signal>][@<process>], a point of "
+            raise FaultSpecError(f"{ENV}={spec!r}: expected <point>[:<nth>][:<signal>][@<process>], a point of "
                              f"{', '.join(POINTS)} and a signal of {', '.join(SIGNALS)}")
         self.point, self.nth, self.signal, self.kind = point, int(nth), SIGNALS[kind], kind
         self.here = not process or process == os.environ.get("JAXDP_PROCESS_ID", "0")
@@ -50,18 +56,32 @@ def _armed(spec: Optional[str]) -> Optional[_Armed]:
     return _Armed(spec) if spec else None
 
 
-_ARMED = _armed(os.environ.get(ENV))
+_ARMED: Optional[_Armed] = None
+_UNPARSED: Optional[FaultSpecError] = None  # the variable's error, raised where it is first needed
+try:
+    _ARMED = _armed(os.environ.get(ENV))
+except FaultSpecError as e:
+    _UNPARSED = e
 
 
 def arm(spec: Optional[str]) -> None:
     """Arm a fault as ``JAXDP_FAULT_AT=spec`` would (None: disarm), for a run inside this process."""
-    global _ARMED
-    _ARMED = _armed(spec)
+    global _ARMED, _UNPARSED
+    _ARMED, _UNPARSED = _armed(spec), None
+
+
+def check_fault_spec() -> None:
+    """``FaultSpecError`` if ``JAXDP_FAULT_AT`` does not parse (a command says it in one line)."""
+    if _UNPARSED is not None:
+        raise _UNPARSED
 
 
 def fault_point(name: str) -> None:
     """The run passes point ``name`` (one of ``POINTS``): die here if ``JAXDP_FAULT_AT`` says so."""
-    if _ARMED is None or _ARMED.point != name or not _ARMED.here:
+    if _ARMED is None:
+        check_fault_spec()
+        return
+    if _ARMED.point != name or not _ARMED.here:
         return
     _ARMED.hits += 1
     if _ARMED.hits == _ARMED.nth:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import os
 import pickle
 import sys
@@ -157,6 +158,7 @@ def factory(pair: Any) -> Factory:
                         "the torch ranks are separate processes and build it themselves")
     if not callable(pair):
         raise PairError(f"a pair is named 'module:function' or given as that function, got {type(pair).__name__}")
+    _called_without_arguments(pair, getattr(pair, "__qualname__", type(pair).__name__))
     fn = pair.func if isinstance(pair, functools.partial) else pair
     qualname = getattr(fn, "__qualname__", "")
     if "<lambda>" in qualname or "<locals>" in qualname:
@@ -190,7 +192,22 @@ def resolve(ref: str) -> Callable[[], ModelPair]:
         raise PairError(f"{module_name} has no {attr!r} (pair {ref!r})") from None
     if not callable(fn):
         raise PairError(f"{ref} is a {type(fn).__name__}, not a function that returns the pair")
+    _called_without_arguments(fn, ref)
     return fn
+
+
+def _called_without_arguments(fn: Callable, label: str) -> None:
+    """``PairError`` in one line for a callable that cannot be called with no arguments, as every
+    rank calls a pair factory (``os:system``, say), before anything is started."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): called as it is
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        raise PairError(f"{label} takes arguments {signature}: a pair factory is called with none and returns a "
+                        "parity_tests.own.ModelPair") from None
 
 
 def _import(module_name: str):
