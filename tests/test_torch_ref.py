@@ -459,6 +459,85 @@ def test_ctrl_c_checkpoints_the_step_in_hand(how, tmp_path, monkeypatch, world_o
         assert torch.equal(value, want[name]), name
 
 
+def _sigint_after_update(monkeypatch, n):
+    """A real Ctrl-C right after the ``n``-th optimizer update."""
+    from torch_ref.step_api import Runner
+
+    real, calls = Runner.update, []
+
+    def update(*args):
+        out = real(*args)
+        calls.append(1)
+        if len(calls) == n:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Runner, "update", update)
+
+
+def test_a_stop_during_an_epochs_last_step_evaluates_the_epoch_first(tmp_path, monkeypatch, world_of_one):
+    """As jaxdp's trainer: a Ctrl-C during an epoch's last step (4 of 4) lets the epoch's evaluation
+    and save come first, then stops; during the run's last step the run is simply done. torch_ref
+    stopped at once, without the evaluation (and called a finished run interrupted)."""
+    from torch_ref import checkpoint as ckpt
+    from torch_ref import train as torch_train
+
+    _sigint_after_update(monkeypatch, 4)
+    cfg = torch_train.parse_args([*TRAINER, "--epochs", "2", "--out", str(tmp_path / "two")])
+    with pytest.raises(KeyboardInterrupt) as interrupt:
+        torch_train.train(cfg)
+    assert interrupt.value.checkpointed_step == 4
+    assert [(r["kind"], r["step"]) for r in _records(tmp_path / "two" / "metrics.jsonl")] == [
+        ("train", 1), ("train", 2), ("train", 3), ("train", 4), ("eval", 4)]
+    meta = torch.load(ckpt.latest(str(tmp_path / "two" / "checkpoints")), weights_only=True)["meta"]
+    assert (meta["global_step"], meta["epoch"], meta["step_in_epoch"]) == (4, 1, 0)  # the next epoch's start
+
+    monkeypatch.undo()
+    _sigint_after_update(monkeypatch, 4)
+    summary = torch_train.train(torch_train.parse_args([*TRAINER, "--out", str(tmp_path / "one")]))
+    assert not summary["interrupted"] and summary["eval"]["count"] == 32
+
+
+def test_checkpoints_are_fsynced_before_their_rename_and_a_damaged_newest_falls_back(tmp_path, monkeypatch,
+                                                                                     world_of_one, capfd):
+    """Each checkpoint: written to a temporary file, fsynced, renamed, its directory fsynced (torch_ref
+    did neither fsync). A resume whose newest file was damaged since says so in one line and resumes
+    from the one before, to the same records (it tried the newest only)."""
+    from torch_ref import train as torch_train
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), real_replace(a, b))[1])
+    out = tmp_path / "run"
+    cfg = torch_train.parse_args([*TRAINER, "--checkpoint-every", "2", "--out", str(out)])
+    torch_train.train(cfg)
+    monkeypatch.undo()
+    folder = str(out / "checkpoints")
+    for step in (2, 4):
+        path = os.path.join(folder, f"step_{step:08d}.pt")
+        renames = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == path]
+        assert len(renames) == 1, events
+        i = renames[0]
+        tmp = events[i][1]
+        assert os.path.dirname(tmp) == folder and ("fsync", tmp) in events[:i]
+        assert ("fsync", folder) in events[i + 1:]
+    assert sorted(os.listdir(folder)) == ["step_00000002.pt", "step_00000004.pt"]  # no temporary file left
+    whole = _records(out / "metrics.jsonl")
+
+    newest = os.path.join(folder, "step_00000004.pt")
+    with open(newest, "r+b") as f:
+        f.truncate(os.path.getsize(newest) // 2)
+    capfd.readouterr()
+    torch_train.train(dataclasses.replace(cfg, resume=True))
+    err = capfd.readouterr().err
+    assert f"torch_ref: checkpoint {newest} cannot be read: " in err and err.count("cannot be read") == 1, err
+    assert err.split(f"torch_ref: checkpoint {newest} cannot be read: ")[1].splitlines()[0].endswith(
+        "; trying the one before")
+    assert _records(out / "metrics.jsonl") == whole
+
+
 def test_a_fresh_run_refuses_an_out_with_checkpoints_unless_told_to_overwrite(tmp_path, capsys):
     from torch_ref.train import main
 

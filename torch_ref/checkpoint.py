@@ -16,21 +16,26 @@ these APIs do not cover: its state is consolidated on rank 0 and renamed from it
 indices to parameter names. Because the layout is the same for every strategy, a run
 saved under one strategy or world size can resume under another, as in jaxdp.
 
-Rank 0 writes to a temporary file in the same directory and ``os.replace``-s it, so a
-crash never leaves a truncated checkpoint under the final name. Restoring reads the file
-on every rank (one host, or a shared file system, as jaxdp's orbax checkpoints need too).
+Rank 0 writes to a temporary file in the same directory, fsyncs it, ``os.replace``-s it and
+fsyncs the directory, so neither a kill nor a power cut leaves a truncated checkpoint under
+the final name; the older ones it replaces go only after that. Restoring reads the file on
+every rank (one host, or a shared file system, as jaxdp's orbax checkpoints need too); a
+resume whose newest file cannot be read (damaged since) says so in one line and takes the
+one before (``restore_newest``).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import pickle
 import re
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from jaxdp.runtime.durable import sync_folder
 from torch_ref import dist as tdist
 
 KEEP = 3
@@ -107,24 +112,71 @@ def save(directory: str, global_step: int, parallel, optimizer, scheduler, meta:
     if tdist.rank() == 0:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"step_{global_step:08d}.pt")
-        tmp = path + f".tmp{os.getpid()}"
-        torch.save({"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                    "meta": meta}, tmp)
-        os.replace(tmp, path)
+        write_durably(path, {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                             "meta": meta})
         for _, old in checkpoints(directory)[:-keep]:
             os.remove(old)
     if dist.is_initialized():
         dist.barrier()  # nobody reads a checkpoint before it is complete
 
 
+def write_durably(path: str, state: dict) -> None:
+    """``torch.save`` ``state`` to ``path``, whole or not at all, and on disk when this returns:
+    a temporary file in the same directory, fsynced, renamed over ``path``, the directory fsynced.
+    A temporary file a killed writer left behind goes too (rank 0 is the only writer)."""
+    directory = os.path.dirname(path)
+    for stale in glob.glob(os.path.join(glob.escape(directory), "step_*.pt.tmp*")):
+        os.remove(stale)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    sync_folder(directory)
+
+
+def _read(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"checkpoint {path} cannot be read: {first}") from e
+
+
+def restore_newest(directory: str, parallel, optimizer, scheduler, check=None, say=None):
+    """``restore`` the newest checkpoint in ``directory`` that can be read: (its path, its meta),
+    or None when there is none. One that cannot be read (damaged since it was written) is named
+    in one line through ``say`` and the one before is tried; CheckpointError if none can be read.
+    ``check(meta, path)``: as ``restore``'s, told which file."""
+    found = checkpoints(directory)
+    for _, path in reversed(found):
+        try:
+            ckpt = _read(path)
+        except CheckpointError as e:
+            if say is not None:
+                say(f"{e}; trying the one before")
+            continue
+        return path, _restore(path, ckpt, parallel, optimizer, scheduler,
+                              None if check is None else (lambda meta, path=path: check(meta, path)))
+    if found:
+        raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {directory} can be read")
+    return None
+
+
 def restore(path: str, parallel, optimizer, scheduler, check=None) -> dict:
     """Load ``path`` into the wrapped model, optimizer and scheduler; returns its meta.
     ``check(meta)`` runs first, so a mismatched config is reported as such, not as a
     shape error from deep inside ``set_state_dict``."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {str(e).splitlines()[0]}") from e
+    return _restore(path, _read(path), parallel, optimizer, scheduler, check)
+
+
+def _restore(path: str, ckpt: dict, parallel, optimizer, scheduler, check=None) -> dict:
     if check is not None:
         check(ckpt.get("meta", {}))
     try:

@@ -190,10 +190,14 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, speed: Op
         fingerprint = dict(json.loads(json.dumps(cfg.fingerprint())), steps_per_epoch=steps_per_epoch)
 
         start_epoch, start_step = 0, 0
-        latest = ckpt.latest(ckpt_dir) if cfg.resume else None
-        if latest is not None:
-            meta = ckpt.restore(latest, runner.parallel, runner.optimizer, runner.scheduler,
-                                check=lambda m: check_fingerprint(m.get("fingerprint", {}), fingerprint, latest))
+        restored = None
+        if cfg.resume:
+            restored = ckpt.restore_newest(
+                ckpt_dir, runner.parallel, runner.optimizer, runner.scheduler,
+                check=lambda m, path: check_fingerprint(m.get("fingerprint", {}), fingerprint, path),
+                say=lambda text: print(f"torch_ref: {text}", file=sys.stderr, flush=True) if is_main else None)
+        if restored is not None:
+            meta = restored[1]
             start_epoch, start_step = meta["epoch"], meta["step_in_epoch"]
             runner.steps = meta["global_step"]
         global_step = start_epoch * steps_per_epoch + start_step
@@ -268,7 +272,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, speed: Op
                     if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not epoch_done:
                         save()
                     stop_here = stop_after_steps is not None and global_step >= stop_after_steps
-                    if stop_here or interrupt.requested:
+                    # At the epoch's last step its evaluation and save come first, then the stop below
+                    # (as jaxdp.run.train): a stop must not cost the epoch its evaluation.
+                    if stop_here or (interrupt.requested and not epoch_done):
                         bar.close()
                         batches.close()
                         save()
@@ -282,7 +288,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, speed: Op
                 evaluate_now(epoch)
                 position = (epoch + 1, 0) if last == steps_per_epoch else (epoch, last)
                 save()
-                stop_if_asked()
+                if epoch < end_epoch:  # a stop asked for during the run's last step: the run is done, not stopped
+                    stop_if_asked()
         except KeyboardInterrupt as e:
             # One process: the state in hand is consistent, keep it.
             if tdist.world_size() == 1 and getattr(e, "checkpointed_step", None) is None:
