@@ -93,12 +93,13 @@ def hold_port(bind: str) -> socket.socket:
     binds with ``SO_REUSEPORT``) can bind beside it. A bound socket that does not listen gets no
     connections; while it exists the kernel hands its port to no one else (no free-port race)."""
     host, port = host_and_port(bind)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
+    s = None
     try:
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         s.bind((host, int(port)))
     except OSError as e:
-        s.close()
+        if s is not None:
+            s.close()
         why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
         raise LaunchError(f"the coordinator's address {bind} {why} on this host, where process 0 runs: choose another "
                           f"--coordinator port (under SLURM: {ENV_COORDINATOR_PORT}) or --coordinator-bind") from None

@@ -236,7 +236,10 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
         try:
             bind = bind or bind_address(coordinator_address)
         except ValueError as e:
-            raise MeshError(str(e)) from None
+            # A cluster's own address for process 0 (no jaxdp launch) that is not this host's: a
+            # virtual IP or a proxy in front of it, which worked with JAX's default. Keep that default.
+            warnings.warn(f"{e}; the coordinator listens on every interface")
+            bind = bind_address(coordinator_address, "all")
     # Only affects the CPU backend, so it is safe to set on GPU hosts too.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     joined = threading.Event()
