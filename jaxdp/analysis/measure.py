@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxdp import names
 from jaxdp.analysis.axes import axis_report
-from jaxdp.analysis.estimate import estimate, program_costs
+from jaxdp.analysis.estimate import estimate, step_flops
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
 from jaxdp.analysis.schedule import collective_list, entry_ops
 from jaxdp.analysis.state import device_bytes, kept_grad_bytes, state_bytes, strategy_formulas
@@ -158,8 +158,8 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
         report["collectives"] = collective_list(text, [d.process_index for d in strategy.mesh.devices.flat])
         report["backend"] = strategy.mesh.devices.flat[0].platform
         if target is not None:
-            costs = program_costs(strategy.engine.step_jaxpr(state, sharded), text)
-            report.update(estimate(target.gpu, str(np.dtype(strategy.model.dtype)), *costs, report["collectives"]))
+            flops = step_flops(strategy.engine.step_jaxpr(state, sharded))
+            report.update(estimate(target.gpu, str(np.dtype(strategy.model.dtype)), flops, text, report["collectives"]))
         if schedule:
             report["schedule"] = [dataclasses.asdict(op) for op in entry_ops(text)]
     report["axes"] = axis_report(strategy, report.get("traffic"), report.get("memory", {}).get("temp_bytes"),
