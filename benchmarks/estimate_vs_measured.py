@@ -1,12 +1,12 @@
 """The estimated step time beside every GPU step rate the project has measured.
 
-    .venv/bin/python benchmarks/estimate_vs_measured.py [--out benchmarks/results/estimate_vs_measured]
+    .venv/bin/python benchmarks/estimate_vs_measured.py [--out benchmarks/results]
 
 For each row of ``jaxdp/analysis/gpu_measurements.json`` (one H200, issue 26) it compiles jaxdp's
 step in the measured configuration for the compile-only target (``jaxdp inspect --target``; no GPU,
 about 1 min a row on 2 cores) and prints the estimate (``jaxdp.analysis.estimate``: each kernel's
 roofline, the collectives hidden only by the kernels in their own window) over the measurement.
-Writes the table (``.md``) and the rows (``.json``) to ``--out``.
+Writes the table and the rows to ``--out`` (``estimate_vs_measured.md``, ``.json``).
 """
 
 import argparse
@@ -43,7 +43,7 @@ def markdown(rows) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="benchmarks/results/estimate_vs_measured")
+    p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     rows = []
     for m in measurements():

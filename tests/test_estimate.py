@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from jaxdp.analysis import plot
 from jaxdp.analysis.estimate import COLLECTIVE_LANE, COMPUTE_LANE, estimate, timeline
 from jaxdp.analysis.hlo_text import read_module
 from jaxdp.analysis.kernel_flops import instruction_flops
 from jaxdp.analysis.measured import against_measurement, measurements
+from jaxdp.analysis.plot import lanes
 from jaxdp.analysis.schedule import collective_list
+from jaxdp.cli.command import main
 from jaxdp.runtime.target import GPUS
 
 HERE = Path(__file__).parent
@@ -141,3 +144,35 @@ def test_measured_figures_are_data_read_by_one_function():
     assert against_measurement(dict(report, estimated_step_s=3.8e-3))["estimate_over_measured"] == \
         pytest.approx(0.5, rel=0.01)
     assert against_measurement(dict(report, batch_per_device=64, estimated_step_s=1e-3)) is None
+
+
+def test_the_picture_draws_the_estimates_intervals(tmp_path):
+    """``plot.lanes``: the kernels, each window (ag-b and ag-c are in flight together: two rows), the
+    stream's transfers one after another, and the compute stream's waits, as worked out above."""
+    collectives, _ = windows()
+    played = timeline(WINDOWS, GPU, collectives)
+    bars = lanes(played)
+
+    def lane(name):
+        return [(b.name, b.row, round(b.start / US, 6), round(b.end / US, 6)) for b in bars if b.lane == name]
+
+    assert lane(plot.COMPUTE) == [("k1", 0, 0, 2), ("k2", 0, 10, 13)]
+    assert lane(plot.WINDOWS) == [("ag-a", 0, 0, 10), ("ag-b", 0, 10, 20), ("ag-c", 1, 10, 30), ("ar", 0, 30, 180)]
+    assert lane(plot.STREAM) == [("ag-a", 0, 0, 10), ("ag-b", 0, 10, 20), ("ag-c", 0, 20, 30), ("ar", 0, 30, 180)]
+    assert lane(plot.EXPOSED) == [("ag-a", 0, 2, 10), ("ag-b", 0, 13, 20), ("ag-c", 0, 20, 30), ("ar", 0, 30, 180)]
+    assert {b.kind for b in bars if b.lane == plot.WINDOWS} == {"all-gather", "all-reduce"}
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "schedule.png"
+    plot.draw_schedule(played, str(path), "by hand")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--plot", "s.png"], "--plot draws the estimate of a GPU target's step: add --target"),
+    (["--trainer", "pkg.mod:make"], "--trainer compiles your Trainer's step for a GPU target: add --target"),
+    (["--target", "h100", "--trainer", "pkg.mod"], "--trainer takes MODULE:FUNCTION"),
+])
+def test_plot_and_trainer_without_what_they_need_are_one_line(args, says, capsys):
+    assert main(["inspect", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
