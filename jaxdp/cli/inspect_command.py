@@ -144,8 +144,10 @@ def _inspect_trainer(spec: str, how) -> dict:
     if not (isinstance(made, tuple) and len(made) == 2 and hasattr(made[0], "inspect")):
         raise TargetError(f"--trainer {spec}: {function}() must return (jaxdp.Trainer, example_batch), "
                           f"got {type(made).__name__}")
+    from jaxdp.analysis.trainer_inspect import TRAINER_FIELDS  # with jax, as inspect_strategy
+
     trainer, batch = made
-    return trainer.inspect_with(batch, how)
+    return trainer.inspect(batch, how.target, **{f: getattr(how, f) for f in TRAINER_FIELDS})
 
 
 def print_schedule(report: dict) -> None:
