@@ -22,7 +22,7 @@ import numpy as np
 from jaxdp import names
 from jaxdp.analysis.axes import axis_report
 from jaxdp.analysis.estimate import estimate, step_flops, timeline
-from jaxdp.analysis.plot import describe, draw_schedule
+from jaxdp.analysis.plot import describe, draw_schedule, require_matplotlib
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
 from jaxdp.analysis.options import InspectOptions
 from jaxdp.analysis.schedule import collective_list, entry_ops
@@ -49,6 +49,8 @@ def inspect_strategy(name: str, n: int, how: Optional[InspectOptions] = None, **
     (``jaxdp.models.fsdp_units``) unless they name ``units``. ``how.target``: a
     ``jaxdp.runtime.target.Target``: its ``devices`` compile-only GPUs instead of ``n`` devices here."""
     how = dataclasses.replace(how or InspectOptions(), **fields)
+    if how.plot:
+        require_matplotlib()
     batch_per_device = 1 if how.batch_per_device is None else how.batch_per_device
     model, image_size, dtype = how.model, how.image_size, how.dtype
     if batch_per_device < 1 or image_size < 1:

@@ -70,17 +70,24 @@ def describe(report: dict) -> str:
             f"communication {report['exposed_communication_s'] * 1e3:.3f} ms")
 
 
-def draw_schedule(played: Timeline, path: str, title: str = "") -> None:
-    """Draw ``lanes(played)`` to ``path`` (a PNG)."""
+def require_matplotlib() -> None:
+    """PlotError, in one line, where matplotlib is missing: checked before a compile that would be wasted."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        import matplotlib  # noqa: F401
     except ImportError:
         raise PlotError("--plot draws with matplotlib, which is not installed: pip install matplotlib "
                         "(jaxdp's [torch] extra has it)") from None
+
+
+def draw_schedule(played: Timeline, path: str, title: str = "") -> None:
+    """Draw ``lanes(played)`` to ``path`` (a PNG)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
     bars = lanes(played)
     window_rows = max((b.row for b in bars if b.lane == WINDOWS), default=0) + 1
     base = BASE

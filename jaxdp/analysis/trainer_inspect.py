@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxdp.analysis.measure import InspectError, measure
 from jaxdp.analysis.options import InspectOptions
+from jaxdp.analysis.plot import require_matplotlib
 from jaxdp.runtime.mesh import MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS, MeshDims, make_mesh
 from jaxdp.runtime.target import Target, compile_only_devices
 
@@ -37,6 +38,8 @@ def inspect_trainer(strategy, strategy_on: Callable, example_batch, target, devi
         raise TypeError(f"inspect() got unexpected options {unknown}; it takes {', '.join(TRAINER_FIELDS)}")
     target = target if isinstance(target, Target) else Target.parse(target, devices, hosts)
     how = InspectOptions(target=target, **fields)
+    if how.plot:
+        require_matplotlib()
     on_target = strategy_on(target_mesh(strategy.mesh, target))
     batch = batch_for(example_batch, strategy.num_devices, on_target.num_devices, how.batch_per_device)
     return measure(on_target, batch, seed=how.seed, compile=how.compile, schedule=how.schedule, target=target,
