@@ -168,6 +168,9 @@ def format_overlap(r: dict) -> list:
 
 def _format_estimate(r: dict) -> list:
     ms = 1e3
+    if "estimated_step_s" not in r:  # --no-compile: the state's bytes alone
+        return [f"for {r['devices']} {r['target'].upper()} on {r['hosts']} host(s), not compiled (--no-compile): "
+                f"no memory, collectives or estimate"]
     lines = [f"compiled for {r['devices']} {r['target'].upper()} on {r['hosts']} host(s), without a GPU "
              f"(jaxdp.runtime.target); memory above is XLA's GPU buffer assignment (no cuDNN workspace)",
              f"ESTIMATED step time (a roofline from the target's published peaks, not a measurement): "
