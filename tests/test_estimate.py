@@ -176,3 +176,23 @@ def test_plot_and_trainer_without_what_they_need_are_one_line(args, says, capsys
     assert main(["inspect", *args]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_collective_wrapped_in_an_async_start_is_timed_as_itself():
+    """XLA:GPU may wrap a collective in ``async-start``/``async-done``: the wrapped one is what
+    ``collective_list`` lists, so it carries the exposed time (1 MB over {0,1}: 5 us, 2 us hidden)."""
+    hlo = """%wrapped (a: f32[250000]) -> f32[125000] {
+  %a = f32[250000]{0} parameter(0)
+  ROOT %rs = f32[125000]{0} reduce-scatter(%a), replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (p: f32[250000]) -> f32[125000] {
+  %p = f32[250000]{0} parameter(0)
+  %start = ((f32[250000]{0}), f32[125000]{0}) async-start(%p), calls=%wrapped
+  %k = f32[250000]{0} fusion(%p), kind=kLoop, calls=%fused
+  ROOT %done = f32[125000]{0} async-done(%start)
+}"""
+    collectives = collective_list(hlo, [0, 0])
+    r = estimate(GPU, "float32", 0.0, hlo, collectives)
+    assert [c["name"] for c in collectives] == ["rs"]
+    assert collectives[0]["exposed_s"] == pytest.approx(3 * US) and r["estimated_step_s"] == pytest.approx(5 * US)

@@ -91,14 +91,15 @@ class _Play:
                         drawn.append(Interval(COLLECTIVE_LANE, start.name, start.kind, start.start, t,
                                               start.busy_from, start.busy_to, wait))
                     continue
+                name = self._collective_of(i)
                 begin = max(t, free)
-                free = begin + self._transfer(i.name)
+                free = begin + self._transfer(name)
                 if stage == "start" and '"is_sync":true' not in i.line:
-                    in_flight[i.name] = Interval(COLLECTIVE_LANE, i.name, what, t, t, begin, free)
+                    in_flight[i.name] = Interval(COLLECTIVE_LANE, name, what, t, t, begin, free)
                     continue
                 wait = free - t  # synchronous: the compute stream waits for the stream and the transfer
-                exposed[i.name] = exposed.get(i.name, 0.0) + wait
-                drawn.append(Interval(COLLECTIVE_LANE, i.name, what, t, free, begin, free, wait))
+                exposed[name] = exposed.get(name, 0.0) + wait
+                drawn.append(Interval(COLLECTIVE_LANE, name, what, t, free, begin, free, wait))
                 t = free
                 continue
             seconds, own, inner = self._kernel(computation, i)
@@ -115,6 +116,15 @@ class _Play:
             drawn.append(Interval(COLLECTIVE_LANE, start.name, start.kind, start.start, t, start.busy_from,
                                   start.busy_to, wait))
         return t, busy, exposed, (drawn if draw else None)
+
+    def _collective_of(self, i) -> str:
+        """The name ``collective_list`` knows instruction ``i`` by: its own, or for an ``async-start``
+        wrapping one (XLA:GPU's form for some), the collective inside the computation it calls."""
+        if i.name in self.collectives or i.opcode != "async-start":
+            return i.name
+        called = next((c for key, c in callees(i.line) if key == "calls"), None)
+        return next((inner.name for inner in self.module.instructions(called) if inner.name in self.collectives),
+                    i.name)
 
     def _transfer(self, name: str) -> float:
         c = self.collectives.get(name)
