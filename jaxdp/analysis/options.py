@@ -4,11 +4,13 @@ these names), ``inspect_strategy`` (a built-in model) and ``Trainer.inspect`` (a
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from jaxdp.runtime.target import Target
+
 
 @dataclass(frozen=True)
 class InspectOptions:
     # -- what to measure, for any strategy: a built-in model's or a Trainer's -----------------------
-    target: Optional[object] = None  # a jaxdp.runtime.target.Target: compile for its GPUs, without them
+    target: Optional[Target] = None  # compile for its GPUs, without them (jaxdp.runtime.target)
     compile: bool = True  # False: model-state bytes only (no compiled memory, no HLO)
     schedule: bool = False  # also the compiled step's collectives and kernels in execution order
     plot: Optional[str] = None  # with a target: draw the estimated step's two streams to this PNG
