@@ -5,6 +5,7 @@ Jax-free at import, as the whole parser: ``run`` imports ``jaxdp.analysis`` (and
 arguments are parsed and ``--devices`` has set XLA's device count.
 """
 
+import dataclasses
 import json
 import math
 import sys
@@ -103,11 +104,11 @@ def run(args) -> int:
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 
-    fields = {k: getattr(args, k) for k in ("model", "width", "blocks", "stem", "optimizer", "dtype", "batch_per_device",
-                                            "image_size", "mesh_shape", "compile", "schedule", "plot")}
-    how = InspectOptions(**fields, target=target, mesh=mesh,
-                         options={k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None},
-                         vit={k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None})
+    parsed = dict(target=target, mesh=mesh,  # the options the flags spell otherwise; the rest by their names
+                  options={k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None},
+                  vit={k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None})
+    how = InspectOptions(**parsed, **{f.name: getattr(args, f.name) for f in dataclasses.fields(InspectOptions)
+                                      if f.name not in parsed and hasattr(args, f.name)})
     try:
         report = _inspect_trainer(args.trainer, how) if args.trainer else inspect_strategy(args.strategy, devices, how)
     except (InspectError, StrategyError, MeshError, ModelError, ChoiceError, TargetError, PlotError) as e:  # one line
