@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from jaxdp.analysis.estimate import against_measurement
+from jaxdp.analysis.measured import against_measurement
 from jaxdp.analysis.measure import inspect_strategy
 from jaxdp.runtime.target import Target
 

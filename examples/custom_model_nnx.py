@@ -7,7 +7,8 @@ the loss takes the module itself, ``loss_fn(model, batch, rng)``. jaxdp needs on
 loss and which submodules are FSDP units (every ``Block``, or the attribute path ``"blocks/*"``):
 each unit's params are gathered just before it runs and freed after. The same model in Flax
 Linen, the same names (``blocks_0`` there for ``blocks/0`` here), trains the same numbers:
-examples/custom_model.py (tests/test_nnx_units.py checks it bit for bit in float64).
+examples/custom_model.py (tests/test_nnx_units.py checks it bit for bit in float64). ``make_trainer``
+gives its Trainer to ``jaxdp inspect --trainer`` (docs/api.md, ``trainer.inspect``).
 """
 
 import os
@@ -82,6 +83,15 @@ def train(strategy, steps=30, model=None):
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
     return losses, trainer.model(state)
+
+
+def make_trainer():
+    """(the LM's zero3 Trainer on this machine's devices, an example batch), for compiling its step for GPUs
+    that are not here: ``trainer.inspect(batch, target="h100", devices=8)``, or from the command line
+    ``PYTHONPATH=examples jaxdp inspect --target h100 --devices 8 --trainer custom_model_nnx:make_trainer``."""
+    trainer = jaxdp.Trainer(TinyLM(rngs=nnx.Rngs(0)), loss_fn, optax.adamw(3e-3, weight_decay=0.01),
+                            jaxdp.ZeRO(stage=3, units=(Block,)), jaxdp.make_mesh(data=jax.device_count()))
+    return trainer, next(batches(1))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ LAYERS = (
     ("config", "optim", "parallel", "checkpoint"),  # the options tree; optimizers; model axes; the checkpoint service
     ("models",),  # model families, with their tensor-parallel plans
     ("strategies", "interop"),  # the strategies over one TrainState; torch state_dict <-> Flax
-    ("api", "analysis"),  # the Trainer, save/restore, input checks; inspect's and plan's measurements
+    ("analysis",),  # inspect's and plan's measurements
+    ("api",),  # the Trainer, save/restore, input checks (trainer.inspect: analysis's)
     ("jaxdp",),  # the package's public names
     ("run",),  # jaxdp train's loop, driving a Trainer
     ("cli",),  # the jaxdp command
@@ -242,7 +243,7 @@ JAX_FREE = {
 JAX_SIDE = ("jax", "jaxlib", "flax", "optax", "orbax")
 # Optional dependencies, imported only where they are used, so that jaxdp runs without them.
 OPTIONAL = {"tensorboardX": "the [tensorboard] extra", "sklearn": "the [digits] extra",
-            "yaml": "PyYAML, for a .yaml config file"}
+            "yaml": "PyYAML, for a .yaml config file", "matplotlib": "the [torch] extra, for inspect's --plot"}
 EXPLAINED = ("jaxdp",)  # the packages whose every function-level import says why
 
 

@@ -21,30 +21,11 @@ import re
 
 import numpy as np
 
+from jaxdp.analysis.hlo_text import branches, callees, read_module, shape_bytes, trip_count, tuple_elements
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn|fnuz)?)?)\[([0-9,]*)\]")
 _OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-# "%name (params) -> shape {" (optimized HLO) or "name {" (before XLA's passes), at column 0
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _shapes_bytes(text: str) -> float:
-    total = 0.0
-    for dtype, dims in _SHAPE.findall(text):
-        if dtype.startswith("f8"):
-            size = 1
-        elif dtype in _DTYPE_BYTES:
-            size = _DTYPE_BYTES[dtype]
-        else:
-            continue  # token[], opaque
-        total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    return total
 
 
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -80,29 +61,11 @@ def _result_text(line: str, op_start: int) -> str:
     return line[line.index("=") + 1:op_start]
 
 
-def _top_level(text: str):
-    """Elements of a tuple shape ``(a, (b, c), d)`` at depth 1; the text itself if not a tuple. Commas
-    inside a shape's dimensions or layout (``f32[8,4]{1,0}``) do not split."""
-    text = text.strip()
-    if not text.startswith("("):
-        return [text]
-    parts, depth, inner, start = [], 0, 0, 1
-    for i, ch in enumerate(text):
-        depth += (ch == "(") - (ch == ")")
-        inner += (ch in "[{") - (ch in "]}")
-        if (ch == "," and depth == 1 and not inner) or (ch == ")" and depth == 0):
-            parts.append(text[start:i])
-            start = i + 1
-            if depth == 0:
-                break
-    return parts
-
-
 def _async_output(kind: str, result: str) -> str:
     """The output part of an async ``-start`` result: all-gather-start and reduce-scatter-start give
     (operands, outputs), collective-permute-start (operand, output, contexts); all-reduce-start just
     the outputs."""
-    parts = _top_level(result)
+    parts = tuple_elements(result)
     if kind in ("all-gather", "reduce-scatter") and len(parts) == 2:
         return parts[1]
     if kind == "collective-permute" and len(parts) >= 2:
@@ -110,58 +73,34 @@ def _async_output(kind: str, result: str) -> str:
     return result
 
 
-def _split_computations(hlo_text: str):
-    """({name: {"lines", "entry"}}, names in text order)."""
-    computations, current, order = {}, None, []
-    for line in hlo_text.splitlines():
-        m = None if line[:1].isspace() else _COMPUTATION.match(line.rstrip())
-        if m:
-            current = m.group(1)
-            computations[current] = {"lines": [], "entry": line.lstrip().startswith("ENTRY")}
-            order.append(current)
-        elif current is not None:
-            computations[current]["lines"].append(line)
-    return computations, order
-
-
-def _branches(line: str):
-    """The branch computations of a ``conditional`` line, in branch order (true, false for a predicate)."""
-    names = [c.strip().lstrip("%") for group in _BRANCHES.findall(line) for c in group.split(",")]
-    for key in ("true_computation", "false_computation"):
-        m = re.search(key + r"=%?([\w.\-]+)", line)
-        if m:
-            names.append(m.group(1))
-    return names
-
-
-def _call_graph(computations, order):
+def _call_graph(module):
     """How often each computation runs per step, and which conditional branch (if any) it is in.
 
     Returns (runs, branch_of {computation: (conditional id, branch index)}, branch counts
     {conditional id: branches}, while loops of unknown trip count). HLO text lists callees
     before callers, so callers are walked first; a computation inside a branch inherits it.
     """
-    runs = {name: (1 if c["entry"] else 0) for name, c in computations.items()}
+    runs = {name: (1 if c.entry else 0) for name, c in module.computations.items()}
     branch_of, branch_counts, unknown = {}, {}, 0
-    for name in reversed(order):
-        for index, line in enumerate(computations[name]["lines"]):
-            branches = _branches(line)
-            callees = [c for c in _CALLS.findall(line) if c not in branches] + branches
+    for name in reversed(module.order):
+        for index, line in enumerate(module.computations[name].lines):
+            alternatives = branches(line)
+            called = [(key, c) for key, c in callees(line) if c not in alternatives] + \
+                [("branch", c) for c in alternatives]
             trip = 1
             if " while(" in line:
-                m = _TRIP.search(line)
-                trip = int(m.group(1)) if m else 1
-                unknown += m is None
-            if branches:
-                branch_counts[(name, index)] = len(branches)
-            for callee in callees:
+                known = trip_count(line)
+                trip = 1 if known is None else known
+                unknown += known is None
+            if alternatives:
+                branch_counts[(name, index)] = len(alternatives)
+            for key, callee in called:
                 if callee not in runs:
                     continue
-                is_body = re.search(r"\bbody=%?" + re.escape(callee) + r"\b", line) is not None
-                runs[callee] += runs[name] * (trip if is_body else 1)
+                runs[callee] += runs[name] * (trip if key == "body" else 1)
                 tag = branch_of.get(name)  # nested conditionals count as their outermost branch
-                if tag is None and callee in branches:
-                    tag = ((name, index), branches.index(callee))
+                if tag is None and callee in alternatives:
+                    tag = ((name, index), alternatives.index(callee))
                 if tag is not None:
                     branch_of.setdefault(callee, tag)
     return runs, branch_of, branch_counts, unknown
@@ -184,17 +123,17 @@ def collective_instructions(hlo_text: str, num_devices: int) -> list:
     ``"groups"`` (replica groups; a collective-permute: None, and its ``"pairs"``), ``"branch"``
     (the (conditional, branch index) it runs in, or None)``}``. A ``-start`` is the instruction; its
     ``-done`` is not listed."""
-    computations, order = _split_computations(hlo_text)
-    runs, branch_of, _, _ = _call_graph(computations, order)
+    module = read_module(hlo_text)
+    runs, branch_of, _, _ = _call_graph(module)
     found = []
-    for name, c in computations.items():
-        for line in c["lines"]:
+    for name, c in module.computations.items():
+        for line in c.lines:
             m = _OP.search(line)
             if not m or "=" not in line[:m.start()]:
                 continue
             kind, is_start = m.group(1), m.group(2) is not None
             result = _result_text(line, m.start())
-            out = _shapes_bytes(_async_output(kind, result) if is_start else result)
+            out = shape_bytes(_async_output(kind, result) if is_start else result)
             permute = kind == "collective-permute"
             groups = None if permute else replica_groups(line, num_devices)
             inp, ring = _op_bytes(kind, out, max(len(groups[0]) if groups else num_devices, 1))
@@ -214,8 +153,7 @@ def parse_collectives(hlo_text: str, num_devices: int) -> dict:
     conditional. ``by_groups``: per distinct replica-group layout (collective-permute: groups None, per
     distinct ``pairs``, its source/target device pairs).
     """
-    computations, order = _split_computations(hlo_text)
-    _, _, branch_counts, unknown = _call_graph(computations, order)
+    _, _, branch_counts, unknown = _call_graph(read_module(hlo_text))
     ops = {kind: {"count": 0, "input_bytes": 0.0, "output_bytes": 0.0, "ring_bytes": 0.0, "by_groups": []}
            for kind in COLLECTIVES}
     unconditional, branch_ring = 0.0, {cid: [0.0] * n for cid, n in branch_counts.items()}

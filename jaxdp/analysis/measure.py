@@ -13,15 +13,18 @@ adds the target, the hosts and an estimated step time (``estimate.py``).
 """
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxdp import names
 from jaxdp.analysis.axes import axis_report
-from jaxdp.analysis.estimate import estimate, program_costs
+from jaxdp.analysis.estimate import estimate, step_flops, timeline
+from jaxdp.analysis.plot import describe, draw_schedule, require_matplotlib
 from jaxdp.analysis.hlo import compiled_memory, parse_collectives
+from jaxdp.analysis.options import InspectOptions
 from jaxdp.analysis.schedule import collective_list, entry_ops
 from jaxdp.analysis.state import device_bytes, kept_grad_bytes, state_bytes, strategy_formulas
 from jaxdp.loss.task import classifier
@@ -37,35 +40,36 @@ class InspectError(ValueError):
     """Options that cannot be inspected (one line on the command line)."""
 
 
-def inspect_strategy(name: str, n: int, *, model: str = "resnet18", width: int = 64,
-                     blocks: Optional[Sequence[int]] = None, stem: str = "cifar", optimizer: str = "sgd",
-                     dtype: str = "float32", batch_per_device: int = 1, image_size: int = 32,
-                     mesh_shape=None, options: Optional[dict] = None, compile: bool = True, seed: int = 0,
-                     mesh: Optional[dict] = None, vit: Optional[dict] = None,
-                     schedule: bool = False, target=None) -> dict:
+def inspect_strategy(name: str, n: int, how: Optional[InspectOptions] = None, **fields) -> dict:
     """Build strategy ``name`` on ``n`` devices (they must exist: simulate them before jax
-    starts), or on the named ``mesh`` (``{"data": 2, "model": 2}``), for a freshly initialised
-    model, and ``measure`` it. ``options``: the strategy's own (``allreduce``, ``compress``,
+    starts), or on the named ``how.mesh`` (``{"data": 2, "model": 2}``), for a freshly initialised
+    built-in model, and ``measure`` it. ``how``: ``InspectOptions`` (``fields``: any of its fields,
+    replacing ``how``'s). ``how.options``: the strategy's own (``allreduce``, ``compress``,
     ``powersgd_rank``, ``staleness``); zero3 and hsdp get the model's FSDP units
-    (``jaxdp.models.fsdp_units``) unless ``options`` names ``units``. ``vit``: a ViT's sizes
-    (depth, dim, heads, mlp_dim, patch). ``target``: a ``jaxdp.runtime.target.Target``: its
-    ``devices`` compile-only GPUs instead of ``n`` devices of this machine."""
+    (``jaxdp.models.fsdp_units``) unless they name ``units``. ``how.target``: a
+    ``jaxdp.runtime.target.Target``: its ``devices`` compile-only GPUs instead of ``n`` devices here."""
+    how = dataclasses.replace(how or InspectOptions(), **fields)
+    if how.plot:
+        require_matplotlib()
+    batch_per_device = 1 if how.batch_per_device is None else how.batch_per_device
+    model, image_size, dtype = how.model, how.image_size, how.dtype
     if batch_per_device < 1 or image_size < 1:
         raise InspectError(f"--batch-per-device and --image-size must be >= 1, got {batch_per_device}, {image_size}")
     if dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     takes_image_size = "image_size" in names.family(model).options  # a ViT's position embeddings follow it
-    sizes = dict(vit or {}, **({"image_size": image_size} if takes_image_size else {}))
-    net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype, **sizes)
+    sizes = dict(how.vit or {}, **({"image_size": image_size} if takes_image_size else {}))
+    net = create_model(model, width=how.width, blocks=how.blocks, stem=how.stem, dtype=dtype, **sizes)
     check_batchnorm_has_values(net, batch_per_device, image_size)
-    options = dict(options or {}, **({"mesh_shape": mesh_shape} if "mesh_shape" in options_of(name) else {}))
-    devices = compile_only_devices(target) if target is not None else None
-    built = make_mesh(**mesh, devices=devices) if mesh else make_mesh(n, devices=devices)
-    strategy = build_strategy(name, built, net, optimizer, options)
-    batch = random_batch(net, batch_per_device * strategy.num_devices, image_size, seed)
-    report = measure(strategy, batch, seed=seed, compile=compile, schedule=schedule, target=target)
-    report.update(model=model, width=width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
-                  optimizer=optimizer, options={k: v for k, v in options.items() if v is not None})
+    options = dict(how.options or {}, **({"mesh_shape": how.mesh_shape} if "mesh_shape" in options_of(name) else {}))
+    devices = compile_only_devices(how.target) if how.target is not None else None
+    built = make_mesh(**how.mesh, devices=devices) if how.mesh else make_mesh(n, devices=devices)
+    strategy = build_strategy(name, built, net, how.optimizer, options)
+    batch = random_batch(net, batch_per_device * strategy.num_devices, image_size, how.seed)
+    report = measure(strategy, batch, seed=how.seed, compile=how.compile, schedule=how.schedule, target=how.target,
+                     plot=how.plot)
+    report.update(model=model, width=how.width, blocks=list(getattr(net, "stage_sizes", ())), dtype=dtype,
+                  optimizer=how.optimizer, options={k: v for k, v in options.items() if v is not None})
     if "units" in options_of(name):
         report.update(fsdp_units=[getattr(u, "__name__", u) for u in strategy.units.classes + strategy.units.patterns],
                       fsdp_unit_count=len(strategy.unit_paths))
@@ -116,13 +120,14 @@ def check_batchnorm_has_values(net, batch_per_device: int, image_size: int) -> N
 
 
 def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compile: bool = True,
-            schedule: bool = False, target=None) -> dict:
+            schedule: bool = False, target=None, plot: Optional[str] = None) -> dict:
     """Everything in the module docstring, for a built strategy and a host batch (a pytree of
     global numpy arrays, e.g. ``{"image", "label"}``). The state measured: ``state`` if given
     (a state of this strategy; nothing is run, so nothing is donated), else ``init_state(variables)``
     for full ``variables`` (``{"params", "batch_stats"}``), else ``strategy.engine.init`` (sharded, from ``seed``);
     for a GPU ``target``, the state's and the batch's shapes and shardings alone (``engine.step_shapes``).
-    ``schedule``: also the compiled step's collectives and compute in execution order (``schedule.py``)."""
+    ``schedule``: also the compiled step's collectives and compute in execution order (``schedule.py``);
+    ``plot`` (a GPU ``target``): a PNG of the estimated step's two streams (``plot.py``)."""
     strategy.learn_structure(batch)
     if target is not None:
         state, sharded = strategy.engine.step_shapes(batch)
@@ -158,11 +163,22 @@ def measure(strategy, batch, *, variables=None, state=None, seed: int = 0, compi
         report["collectives"] = collective_list(text, [d.process_index for d in strategy.mesh.devices.flat])
         report["backend"] = strategy.mesh.devices.flat[0].platform
         if target is not None:
-            costs = program_costs(strategy.engine.step_jaxpr(state, sharded), text)
-            report.update(estimate(target.gpu, str(np.dtype(strategy.model.dtype)), *costs, report["collectives"]))
+            flops = step_flops(strategy.engine.step_jaxpr(state, sharded))
+            report.update(estimate(target.gpu, compute_dtype(strategy, state), flops, text, report["collectives"]))
+            if plot:
+                draw_schedule(timeline(text, target.gpu, report["collectives"]), plot, describe(report))
         if schedule:
             report["schedule"] = [dataclasses.asdict(op) for op in entry_ops(text)]
     report["axes"] = axis_report(strategy, report.get("traffic"), report.get("memory", {}).get("temp_bytes"),
                                  report["opt_bytes_per_param"], report["batch_per_device"], report["image_size"],
                                  report["traffic_formula_bytes"], jax.ShapeDtypeStruct(images.shape[1:], images.dtype))
     return report
+
+
+def compute_dtype(strategy, state) -> str:
+    """The model's compute dtype (a built-in model's ``dtype``), else its params' widest float."""
+    dtype = getattr(strategy.model, "dtype", None)
+    if dtype is not None:
+        return str(np.dtype(dtype))
+    floats = [np.dtype(x.dtype) for x in jax.tree_util.tree_leaves(state.params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return str(max(floats, key=lambda d: d.itemsize, default=np.dtype("float32")))

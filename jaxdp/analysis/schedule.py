@@ -27,13 +27,12 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from jaxdp.analysis.hlo import COLLECTIVES, _shapes_bytes, _split_computations, collective_instructions
+from jaxdp.analysis.hlo import COLLECTIVES, collective_instructions
+from jaxdp.analysis.hlo_text import Instruction, Module, callees, read_module, shape_bytes
 
 MATMUL, KERNEL = "matmul", "kernel"
 COMPUTE = (MATMUL, KERNEL)
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]*)"')
 _WRAPPER = re.compile(r"^(jit|pjit|jvp|transpose|checkpoint|remat|custom_vjp_call|custom_jvp_call|vmap)\(|"
@@ -69,16 +68,6 @@ class Overlap(NamedTuple):
     sync: bool  # XLA runs it synchronously (is_sync): the pair overlaps nothing
 
 
-def _operands(rest: str) -> Tuple[str, ...]:
-    """The ``%names`` inside the instruction's argument list (up to its closing parenthesis)."""
-    depth = 1
-    for i, ch in enumerate(rest):
-        depth += (ch == "(") - (ch == ")")
-        if depth == 0:
-            return tuple(re.findall(r"%([\w.\-]+)", rest[:i]))
-    return tuple(re.findall(r"%([\w.\-]+)", rest))
-
-
 def _phase_and_scope(op_name: str) -> Tuple[str, str]:
     """(phase, module path) from an op's metadata. XLA names a combined op after its members,
     ``.../(a/op:b/op)``: it is read as its first member."""
@@ -90,23 +79,28 @@ def _phase_and_scope(op_name: str) -> Tuple[str, str]:
     return phase, "/".join(parts)
 
 
-def _holds_matmul(computations: dict, name: str, seen: Optional[set] = None) -> bool:
+def _holds_matmul(module: Module, name: str, seen: Optional[set] = None) -> bool:
     """Whether computation ``name`` (or one it calls) holds a convolution, a dot or a GEMM custom call."""
     seen = set() if seen is None else seen
-    if name in seen or name not in computations:
+    if name in seen or name not in module.computations:
         return False
     seen.add(name)
-    for line in computations[name]["lines"]:
-        m = _INSTRUCTION.match(line)
-        if m and (m.group(3) in _MATMUL_OPS or _MATMUL_TARGETS.search(line)):
+    for i in module.instructions(name):
+        if i.opcode in _MATMUL_OPS or _MATMUL_TARGETS.search(i.line):
             return True
-        if any(_holds_matmul(computations, c, seen) for c in _CALLS.findall(line)):
+        if any(_holds_matmul(module, c, seen) for _, c in callees(i.line)):
             return True
     return False
 
 
-def _kind(op: str, name: str, line: str, computations: dict):
+def _called(line: str) -> Optional[str]:
+    """The computation a fusion or an async-start runs (its ``calls=``)."""
+    return next((c for key, c in callees(line) if key == "calls"), None)
+
+
+def op_kind(i: Instruction, module: Module):
     """(kind, stage) of a collective or a kernel; None for bookkeeping."""
+    op, name, line = i.opcode, i.name, i.line
     for c in COLLECTIVES:
         if op == c:
             return c, None
@@ -115,8 +109,8 @@ def _kind(op: str, name: str, line: str, computations: dict):
     if op in ("async-start", "async-done"):  # e.g. a reduce-scatter wrapped by XLA:GPU
         wrapped = next((c for c in COLLECTIVES if name.startswith(c)), None)
         if wrapped is None:
-            called = _CALLS.search(line)
-            body = "\n".join(computations.get(called.group(1), {}).get("lines", ())) if called else ""
+            called = _called(line)
+            body = "\n".join(module.computations[called].lines) if called in module.computations else ""
             wrapped = next((c for c in COLLECTIVES if re.search(rf"\s{c}\(", body)), "async")
         return wrapped, op.split("-", 1)[1]
     if op in _NOT_KERNELS:
@@ -126,63 +120,61 @@ def _kind(op: str, name: str, line: str, computations: dict):
         return MATMUL, None
     if op == "fusion":
         kind = _FUSION_KIND.search(line)
-        called = _CALLS.search(line)
-        if (kind and _MATMUL_TARGETS.search(kind.group(1))) or (called and _holds_matmul(computations,
-                                                                                         called.group(1))):
+        called = _called(line)
+        if (kind and _MATMUL_TARGETS.search(kind.group(1))) or (called and _holds_matmul(module, called)):
             return MATMUL, None
     return KERNEL, None
+
+
+def is_kernel(i: Instruction, module: Module) -> bool:
+    """Whether instruction ``i`` launches a compute kernel (a matmul or any other), not a collective."""
+    return op_kind(i, module) in ((MATMUL, None), (KERNEL, None))
 
 
 def entry_graph(hlo: str) -> Tuple[List[Op], Dict[str, Tuple[str, ...]]]:
     """(the entry computation's collectives and kernels in schedule order, every entry
     instruction's operands by name) of a compiled module's text."""
-    computations, order = _split_computations(hlo)
-    return computation_graph(computations, _entry(computations, order))
+    module = read_module(hlo)
+    return computation_graph(module, module.entry)
 
 
-def computation_graph(computations: dict, computation: Optional[str]) -> Tuple[List[Op], Dict[str, Tuple[str, ...]]]:
-    """``entry_graph`` of any computation (``hlo._split_computations``' dict), e.g. a while loop's body."""
+def computation_graph(module: Module, computation: Optional[str]) -> Tuple[List[Op], Dict[str, Tuple[str, ...]]]:
+    """``entry_graph`` of any computation of ``module`` (``hlo_text.read_module``), e.g. a while loop's body."""
     ops, operands = [], {}
     by_name: Dict[str, Op] = {}
-    for name, shape, op, rest, line in _instructions(computations, computation):
-        operands[name] = _operands(rest)
-        kind = _kind(op, name, line, computations)
+    for i in module.instructions(computation):
+        operands[i.name] = i.operands
+        kind = op_kind(i, module)
         if not kind:
             continue
-        op_name = (_OP_NAME.search(line) or [None, ""])[1]
+        op_name = (_OP_NAME.search(i.line) or [None, ""])[1]
         phase, scope = _phase_and_scope(op_name)
-        start = operands[name][0] if kind[1] == "done" and operands[name] else None
+        start = operands[i.name][0] if kind[1] == "done" and operands[i.name] else None
         if start in by_name and not op_name:  # a done half without metadata: its start's
             phase, scope = by_name[start].phase, by_name[start].scope
-        sync = kind[1] == "start" and '"is_sync":true' in line
-        entry_op = Op(len(operands) - 1, name, kind[0], kind[1], phase, scope, _shapes_bytes(shape), start, sync)
-        by_name[name] = entry_op
+        sync = kind[1] == "start" and '"is_sync":true' in i.line
+        entry_op = Op(len(operands) - 1, i.name, kind[0], kind[1], phase, scope, shape_bytes(i.shape), start, sync)
+        by_name[i.name] = entry_op
         ops.append(entry_op)
     return ops, operands
 
 
+def kernel_bytes(i: Instruction, sizes: Dict[str, float]) -> float:
+    """What kernel ``i`` reads and writes: its operands' and its result's sizes, as XLA's cost analysis
+    counts them (``sizes``: the result bytes of the instructions before it)."""
+    return shape_bytes(i.shape) + sum(sizes.get(o, 0.0) for o in i.operands)
+
+
 def bytes_accessed(hlo: str) -> float:
-    """Bytes every kernel of the entry computation reads and writes (its operands' and its result's
-    sizes, as XLA's cost analysis counts them), once each: HBM traffic per step, ignoring caches."""
-    computations, order = _split_computations(hlo)
+    """Bytes every kernel of the entry computation reads and writes, once each: HBM traffic per step,
+    ignoring caches."""
+    module = read_module(hlo)
     sizes, total = {}, 0.0
-    for name, shape, op, rest, line in _instructions(computations, _entry(computations, order)):
-        sizes[name] = _shapes_bytes(shape)
-        if _kind(op, name, line, computations) in ((MATMUL, None), (KERNEL, None)):
-            total += sizes[name] + sum(sizes.get(o, 0.0) for o in _operands(rest))
+    for i in module.instructions(module.entry):
+        sizes[i.name] = shape_bytes(i.shape)
+        if is_kernel(i, module):
+            total += kernel_bytes(i, sizes)
     return total
-
-
-def _entry(computations: dict, order: List[str]) -> Optional[str]:
-    return next((n for n in order if computations[n]["entry"]), None)
-
-
-def _instructions(computations: dict, computation: Optional[str]):
-    """(name, result shape, opcode, the text after the opcode's parenthesis, the line) of each instruction."""
-    for line in computations[computation]["lines"] if computation else ():
-        m = _INSTRUCTION.match(line)
-        if m:
-            yield (*m.groups(), line)
 
 
 def entry_ops(hlo: str) -> List[Op]:
@@ -226,11 +218,11 @@ def collective_list(hlo: str, hosts: List[int]) -> List[dict]:
     XLA runs asynchronously) and, for those, ``compute_between`` (kernels scheduled between its halves)
     and ``matmul_between`` (of them, convolutions and matrix products). ``hosts``: the process of
     each global device id (the mesh's devices in row-major order)."""
-    computations, _ = _split_computations(hlo)
+    module = read_module(hlo)
     overlap: Dict[str, Overlap] = {}
     instructions = collective_instructions(hlo, len(hosts))
     for name in {i["computation"] for i in instructions}:
-        overlap.update((o.start, o) for o in async_overlap(computation_graph(computations, name)[0]))
+        overlap.update((o.start, o) for o in async_overlap(computation_graph(module, name)[0]))
     out = []
     for i in instructions:
         o = overlap.get(i["name"])

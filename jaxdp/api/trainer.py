@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from jaxdp.analysis import trainer_inspect
 from jaxdp.api import validate
 from jaxdp.checkpoint import saving
 from jaxdp.loss import model_task, nnx_state, nnx_task, task as tasks
@@ -97,11 +98,8 @@ class Trainer:
         # Checked at init (``jaxdp.api.validate``): our own classifier and pipelines need no check.
         self._check_loss = not isinstance(task, tasks.Classifier)
         self._default_inputs = model_inputs is None
-        if spec.config is None:  # keywords: checked against the name's options, then typed by the class
-            self.strategy = create_strategy(spec.name, model, task, tx, mesh, **spec.options)
-        else:  # typed options go to the strategy's class as they are (an option reaches its code in 3 calls)
-            cls, fixed = engine_of(spec.name)
-            self.strategy = cls(model, task, tx, mesh, spec.config, **fixed, **spec.options)
+        self._parts = (spec, model, task, tx)  # to build the strategy again on another mesh (inspect)
+        self.strategy = _strategy(spec.name, spec.options, spec.config, model, task, tx, mesh)
         self.mesh = self.strategy.mesh
 
     def init(self, rng, example_batch):
@@ -155,6 +153,20 @@ class Trainer:
         variables = jax.device_get({"params": whole.params, **whole.model_state})
         return self.nnx.merge(jax.tree_util.tree_map(jnp.asarray, variables))
 
+    def inspect(self, example_batch, target="h100", devices: int = 8, hosts: int = 1, **options) -> dict:
+        """This Trainer's step compiled for ``devices`` GPUs of kind ``target`` on each of ``hosts``
+        hosts, without them: the report ``jaxdp inspect --target ... --json`` prints (memory per
+        device, every collective with its window and exposed time, the estimated step). Built on any
+        mesh (e.g. 2 CPU devices), compiled with its axis names over the target's GPUs; the example
+        batch keeps its rows per device. ``options``: ``compile`` (False: state bytes only),
+        ``schedule``, ``plot`` (a PNG of the estimated step), ``batch_per_device``, ``seed``
+        (``jaxdp.analysis.trainer_inspect``)."""
+        spec, model, task, tx = self._parts
+        keywords, config = trainer_inspect.without_mesh_shape(spec.options, spec.config)
+        return trainer_inspect.inspect_trainer(
+            self.strategy, lambda mesh: _strategy(spec.name, keywords, config, model, task, tx, mesh), example_batch,
+            target, devices, hosts, **options)
+
     def _check(self, example_batch):
         """One-line errors for a bad batch or loss_fn, before anything compiles (``jaxdp.api.validate``)."""
         validate.batch_rows(example_batch)
@@ -168,6 +180,13 @@ class Trainer:
             return batch  # already on the mesh
         validate.batch_splits(validate.batch_rows(batch), self.strategy.num_devices, accum_steps)
         return self.strategy.engine.shard_batch(batch)
+
+
+def _strategy(name: str, options: dict, config: Optional[StrategyOptions], model, task, tx, mesh):
+    if config is None:  # keywords: checked against the name's options, then typed by the class
+        return create_strategy(name, model, task, tx, mesh, **options)
+    cls, fixed = engine_of(name)  # typed options go to the strategy's class as they are (in 3 calls)
+    return cls(model, task, tx, mesh, config, **fixed, **options)
 
 
 def classifier(model):

@@ -6,6 +6,7 @@ arguments are parsed and ``--devices`` has set XLA's device count.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -46,12 +47,18 @@ def add_inspect_args(p) -> None:
     add_arguments(p, StrategyOptions, FLAGS, defaults=types.SimpleNamespace(**dict.fromkeys(FLAGS)),
                   compress="ddp/zero1 gradient compression (async: bf16, fp16)")
     add_model_args(p)
-    p.add_argument("--batch-per-device", type=int, default=1, help="images per device per step")
+    p.add_argument("--batch-per-device", type=int, default=None,
+                   help="images per device per step (default 1; with --trainer, its example batch's rows per device)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="model-state bytes only (no compiled memory or HLO)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--schedule", action="store_true",
                    help="also print the compiled step's collectives and convolutions/matmuls in execution order")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="with --target: draw the estimated step (kernels, each collective's window, exposed time)")
+    p.add_argument("--trainer", default=None, metavar="MODULE:FUNCTION",
+                   help="with --target: inspect your own jaxdp.Trainer: FUNCTION() returns (trainer, example_batch); "
+                        "the model options above are then unused")
 
 
 def add_model_args(p) -> None:
@@ -99,31 +106,63 @@ def _mesh_and_devices(args, target=None):
 def run(args) -> int:
     try:
         target = target_of(args)
+        _check_trainer_and_plot(args, target)
         mesh, devices = _mesh_and_devices(args, target)
-    except (TargetError, MeshError) as e:
+    except (TargetError, MeshError, ValueError) as e:
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     from jaxdp.analysis.measure import InspectError, inspect_strategy  # jax starts here, after the flags
+    from jaxdp.analysis.options import InspectOptions
+    from jaxdp.analysis.plot import PlotError
     from jaxdp.analysis.report import format_report
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 
-    options = {k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None}
-    vit = {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None}
+    parsed = dict(target=target, mesh=mesh,  # the options the flags spell otherwise; the rest by their names
+                  options={k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None},
+                  vit={k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None})
+    how = InspectOptions(**parsed, **{f.name: getattr(args, f.name) for f in dataclasses.fields(InspectOptions)
+                                      if f.name not in parsed and hasattr(args, f.name)})
     try:
-        report = inspect_strategy(
-            args.strategy, devices, model=args.model, width=args.width, blocks=args.blocks, stem=args.stem,
-            optimizer=args.optimizer, dtype=args.dtype, batch_per_device=args.batch_per_device,
-            image_size=args.image_size, mesh_shape=args.mesh_shape, options=options, compile=args.compile,
-            mesh=mesh, vit=vit, schedule=args.schedule, target=target,
-        )
-    except (InspectError, StrategyError, MeshError, ModelError, ChoiceError, TargetError) as e:  # one line
+        report = _inspect_trainer(args.trainer, how) if args.trainer else inspect_strategy(args.strategy, devices, how)
+    except (InspectError, StrategyError, MeshError, ModelError, ChoiceError, TargetError, PlotError) as e:  # one line
         print(f"jaxdp: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     if args.schedule and not args.json:
         print_schedule(report)
+    if args.plot and not args.json:
+        print(f"\nschedule drawn: {args.plot}")
     return 0
+
+
+def _check_trainer_and_plot(args, target) -> None:
+    """One line for --trainer or --plot without --target, or a --trainer that is not MODULE:FUNCTION."""
+    if args.plot and target is None:
+        raise ValueError("--plot draws the estimate of a GPU target's step: add --target (e.g. --target h100)")
+    if args.trainer is not None:
+        if target is None:
+            raise ValueError("--trainer compiles your Trainer's step for a GPU target: add --target (e.g. --target h100)")
+        if args.trainer.count(":") != 1 or not all(args.trainer.split(":")):
+            raise ValueError(f"--trainer takes MODULE:FUNCTION (e.g. mypkg.train:make_trainer), got {args.trainer!r}")
+
+
+def _inspect_trainer(spec: str, how) -> dict:
+    """``FUNCTION()`` of ``MODULE:FUNCTION`` gives (trainer, example_batch): its ``inspect`` report."""
+    import importlib  # the user's module, imported once jax has started
+
+    module, _, function = spec.partition(":")
+    try:
+        made = getattr(importlib.import_module(module), function)()
+    except (ImportError, AttributeError) as e:
+        raise TargetError(f"--trainer {spec}: {e}") from None
+    if not (isinstance(made, tuple) and len(made) == 2 and hasattr(made[0], "inspect")):
+        raise TargetError(f"--trainer {spec}: {function}() must return (jaxdp.Trainer, example_batch), "
+                          f"got {type(made).__name__}")
+    from jaxdp.analysis.trainer_inspect import TRAINER_FIELDS  # with jax, as inspect_strategy
+
+    trainer, batch = made
+    return trainer.inspect(batch, how.target, **{f: getattr(how, f) for f in TRAINER_FIELDS})
 
 
 def print_schedule(report: dict) -> None:
