@@ -23,7 +23,7 @@ from jaxdp.runtime import compile_options
 from jaxdp.runtime.mesh import DATA_AXIS, MeshDims, MeshError
 from jaxdp.parallel import pipeline, protocol, staged, tensor
 from jaxdp.config.step import StrategyOptions
-from jaxdp.loss.nnx_task import NNXModel
+from jaxdp.loss.nnx_task import NNXModel, NNXTask
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.sync import Where
@@ -220,6 +220,12 @@ class Strategy(StepReductions):
     def where(self, step, **sharded) -> Where:
         """What the gradient sync needs to know about this step (``sharded``: ZeRO's shards and buckets)."""
         return Where(step, self.axis, self.num_devices, self.param_order, **sharded)
+
+    def step_task(self):
+        """The task as this device's step runs it (a ``local_step`` takes its loss from here): an NNX
+        model draws from this device's own rng streams, by its index over the batch axes
+        (``jaxdp.loss.nnx_task``); any other task is the same task."""
+        return self.task.on_device(self.batch_axes) if isinstance(self.task, NNXTask) else self.task
 
     def step_key(self, step):
         """The loss's key: unique to the step and the device's block of the global batch

@@ -54,7 +54,8 @@ class DDP(Strategy):
     def local_step(self, state, batch):
         params = jax.lax.pcast(state.params, self.axis, to="varying")  # each device's own grads
         loss, grads, model_state, metrics = local_grads(
-            self.task.loss_fn, params, state.model_state, batch, self.step_key(state.step), self.options.accum_steps)
+            self.step_task().loss_fn, params, state.model_state, batch, self.step_key(state.step),
+            self.options.accum_steps)
         grads, extra = self.sync.update(grads, state.extra, self.where(state.step))
         return replicated_update(self, state, loss, grads, model_state, metrics, extra)
 

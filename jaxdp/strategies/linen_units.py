@@ -50,13 +50,22 @@ class Units:
         path = "/".join(module.path)
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
-    # What ZeRO asks of its units, Linen's or an NNX model's (nnx_units.NNXUnits): where they are, and
-    # running each through ``gather_unit`` while a loss runs.
-    def paths(self, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
-        return unit_paths(self, init_fn, *args, with_shapes=with_shapes)
+    # What ZeRO asks of its units, Linen's or an NNX model's (nnx_units.NNXUnits): where they are, the
+    # task they run in, and running each through ``gather_unit`` while that task's loss runs.
+    def locate(self, init_fn: Callable, *args) -> Tuple[List[Path], Any]:
+        """The units' paths, and ``init_fn(*args)``'s abstract output: one trace finds both, the order too."""
+        shapes = []
+        return unit_paths(self, init_fn, *args, with_shapes=shapes), shapes[0]
 
-    def on_use(self, gather_unit: Callable):
-        return gather_on_use(self, gather_unit)
+    def prepared(self, task):
+        """The task the units run in: a Linen model's own (its units are caught on use)."""
+        return task
+
+    @contextlib.contextmanager
+    def on_use(self, task, gather_unit: Callable):
+        """``task``, every unit of it running as ``gather_unit`` while the block is active (``gather_on_use``)."""
+        with gather_on_use(self, gather_unit):
+            yield task
 
 
 def unit_paths(units: Units, init_fn: Callable, *args, with_shapes: Optional[list] = None) -> List[Path]:
