@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.runtime import compile_options
 from jaxdp.runtime.mesh import DATA_AXIS, MeshDims, MeshError
-from jaxdp.parallel import pipeline, protocol, staged, tensor
+from jaxdp.parallel import pipeline, protocol, staged, supports, tensor
 from jaxdp.config.step import StrategyOptions
 from jaxdp.loss.nnx_task import NNXModel, NNXTask
 from jaxdp.strategies.state import TrainState
@@ -120,6 +120,9 @@ class Strategy(StepReductions):
             MeshDims.of(mesh).check_for(self.facts.name, as_tuple(self.batch_axes), self.model_parallel)
         except MeshError as e:
             raise StrategyError(str(e)) from None
+        refused = supports.refusal(model, mesh, self.options.sync_bn, tp_plan)  # what the model takes on the mesh
+        if refused:
+            raise StrategyError(refused)
         try:
             tensor_parallel = tensor.for_mesh(model, mesh, tp_plan)  # over the mesh's model axis, if any
             self.pp = pipeline.for_mesh(model, mesh, microbatches, as_tuple(self.batch_axes))  # its stage axis
@@ -135,8 +138,6 @@ class Strategy(StepReductions):
         if self.pp is not None:
             self.init_model = pipeline.StackedInit(self.init_model, self.pp)
         sync_bn = self.options.sync_bn
-        if sync_bn and not hasattr(model, "bn_axis_name"):
-            raise StrategyError("sync_bn needs a model whose BatchNorm takes its reduction axes as `bn_axis_name`")
         self.model = self._in_mesh(_with_bn_axis(model, self.batch_axes if sync_bn else None))
         rebind = sync_bn or self.model_split is not None
         try:
