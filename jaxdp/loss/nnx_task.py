@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxdp.loss.arraylike import is_array
 from jaxdp.loss import nnx_wrap
 from jaxdp.loss.nnx_state import Parts, keys_on_device
 from jaxdp.loss.nnx_wrap import Path
@@ -153,9 +154,9 @@ class NNXTask:
 
 def _loss_and_metrics(out):
     """(loss, metrics) from what an NNX loss returns: ``loss`` or ``(loss, metrics)``."""
-    if _is_array(out):
+    if is_array(out):
         loss, metrics = out, {}
-    elif isinstance(out, (tuple, list)) and len(out) == 2 and _is_array(out[0]):
+    elif isinstance(out, (tuple, list)) and len(out) == 2 and is_array(out[0]):
         loss, metrics = out
     else:
         got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
@@ -180,10 +181,6 @@ def _rng_error(e: BaseException) -> Optional[NNXLossError]:
                             "(model(x, rngs=rng), the loss's own key), or run it deterministic")
     return None
 
-
-
-def _is_array(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 # ----------------------------------------------------------------------------- the loss's form

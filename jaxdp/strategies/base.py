@@ -58,9 +58,12 @@ class Strategy(StepReductions):
         return self.eval_task.eval_fn(state.params, state.model_state, batch)
 
     def init_extra(self, params):
-        return None
+        """The gradient sync's own state (PowerSGD's), or None: the sync owns ``state.extra`` (``hooks.py``)."""
+        return None if self.sync is None else self.sync.init(params, self.num_devices)
 
     def extra_specs(self, extra):
+        if self.sync is not None and self.sync.stateful:
+            return self.sync.specs(self.axis)
         return jax.tree_util.tree_map(lambda _: P(), extra)
 
     def learn_units(self, init, batch):

@@ -45,12 +45,6 @@ class DDP(Strategy):
         # ring step is traced with check_vma=False (gradients stay local: see base.py, the check_vma trap).
         self.check_vma = o.allreduce != "ring"
 
-    def init_extra(self, params):
-        return self.sync.init(params, self.num_devices)
-
-    def extra_specs(self, extra):
-        return self.sync.specs(self.axis) if self.sync.stateful else super().extra_specs(extra)
-
     def local_step(self, state, batch):
         params = jax.lax.pcast(state.params, self.axis, to="varying")  # each device's own grads
         loss, grads, model_state, metrics = local_grads(

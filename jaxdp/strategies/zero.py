@@ -144,12 +144,6 @@ class ZeRO(Strategy):
         """HSDP: the data-parallel devices as (replicas, shards), ``mesh_shape`` or the default."""
         return hsdp_mesh(mesh, self.options.mesh_shape) if self.hsdp else mesh
 
-    def init_extra(self, params):
-        return self.sync.init(params, self.num_devices)
-
-    def extra_specs(self, extra):
-        return self.sync.specs(self.axis) if self.sync.stateful else super().extra_specs(extra)
-
     def learn_units(self, init, batch):
         self.unit_paths = []
         if not self.units:
