@@ -31,7 +31,8 @@ from jaxdp.analysis import trainer_inspect
 from jaxdp.api import validate
 from jaxdp.checkpoint import saving
 from jaxdp.loss import model_task, nnx_state, nnx_task, task as tasks
-from jaxdp.runtime.mesh import MODEL_AXIS, STAGE_AXIS, MeshDims, make_mesh
+from jaxdp.parallel import supports
+from jaxdp.runtime.mesh import make_mesh
 from jaxdp.config.step import StrategyOptions
 from jaxdp.strategies import create_strategy, engine_of
 
@@ -77,11 +78,12 @@ class Trainer:
         self.nnx = None  # the NNX model, in the shape the strategies take a model (jaxdp.loss.nnx_task)
         spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(str(strategy))  # any registered name
         if nnx_state.is_nnx(model):
-            if spec.options.get("sync_bn") or getattr(spec.config, "sync_bn", False):
-                raise validate.UsageError("sync_bn swaps a Linen model's BatchNorm for one that reduces over the data "
-                                          "axes; an nnx.Module's BatchNorm does it itself: build it with "
-                                          "nnx.BatchNorm(..., axis_name='data') and leave sync_bn off")
-            model = self.nnx = _nnx_model(model, loss_fn, mesh, model_inputs, init_kwargs)
+            # The one check of what a model takes on a mesh (a Linen model's: where its strategy is built).
+            sync_bn = spec.options.get("sync_bn") or getattr(spec.config, "sync_bn", False)
+            refused = supports.refusal(model, mesh, sync_bn)
+            if refused:
+                raise validate.UsageError(refused)
+            model = self.nnx = _nnx_model(model, loss_fn, model_inputs, init_kwargs)
             try:
                 task = nnx_task.as_task(model, loss_fn, eval_fn)
             except nnx_task.NNXLossError as e:
@@ -193,7 +195,7 @@ def classifier(model):
     return tasks.classifier(model)
 
 
-def _nnx_model(module, loss_fn, mesh, model_inputs, init_kwargs) -> nnx_task.NNXModel:
+def _nnx_model(module, loss_fn, model_inputs, init_kwargs) -> nnx_task.NNXModel:
     """An NNX module as the strategies take it, or one line for what cannot train it."""
     if isinstance(loss_fn, tasks.Classifier):
         raise validate.UsageError("jaxdp.classifier(model) applies a Flax Linen model; for an nnx.Module write "
@@ -201,11 +203,6 @@ def _nnx_model(module, loss_fn, mesh, model_inputs, init_kwargs) -> nnx_task.NNX
     if model_inputs is not None or init_kwargs:
         raise validate.UsageError("model_inputs and init_kwargs tell jaxdp how to call a Linen model's init; an "
                                   "nnx.Module is built already: drop them")
-    dims = MeshDims.of(mesh)
-    if dims.size(MODEL_AXIS) > 1 or dims.size(STAGE_AXIS) > 1:
-        raise validate.UsageError("tensor and pipeline parallelism split Flax Linen models (jaxdp.parallel.protocol); "
-                                  "train an nnx.Module data-parallel, on a mesh of data axes (jaxdp.make_mesh(data=N)): "
-                                  "ZeRO-3 with units shards its params and gathers them block by block")
     try:
         return nnx_task.NNXModel(module)
     except nnx_state.NNXStateError as e:

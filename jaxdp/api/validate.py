@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxdp.loss import nnx_state, nnx_task
+from jaxdp.loss.arraylike import is_array
 from jaxdp.strategies.layout import shapes_of
 
 CONTRACT = "loss_fn must return (loss, (model_state, metrics))"
@@ -57,7 +58,7 @@ def loss_fn(strategy, example_batch, default_inputs: bool) -> None:
     try:
         variables = jax.eval_shape(strategy.init_fn, jax.random.key(0), abstract)
     except Exception as e:  # the user's model: name the likely fix, else let its error through
-        if default_inputs and not _is_array(example_batch):
+        if default_inputs and not is_array(example_batch):
             key = repr(next(iter(example_batch))) if isinstance(example_batch, dict) and example_batch else "0"
             raise UsageError(
                 f"model.init failed on the whole {type(example_batch).__name__} batch ({_first_line(e)}): pass "
@@ -80,18 +81,18 @@ def loss_fn(strategy, example_batch, default_inputs: bool) -> None:
 def check_output(out) -> None:
     """The abstract output of ``loss_fn`` has the contract's structure, a scalar loss and dict metrics."""
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        got = "a single array" if _is_array(out) else type(out).__name__
+        got = "a single array" if is_array(out) else type(out).__name__
         raise UsageError(f"{CONTRACT}; it returned {got}: return loss, (model_state, {{}})")
     loss, aux = out
     if not isinstance(aux, (tuple, list)) or len(aux) != 2:
-        got = f"(loss, {type(aux).__name__})" if not _is_array(aux) else "(loss, array)"
+        got = f"(loss, {type(aux).__name__})" if not is_array(aux) else "(loss, array)"
         raise UsageError(f"{CONTRACT}; it returned {got}: return loss, (model_state, metrics)")
-    if not _is_array(loss) or np.shape(loss) != ():
+    if not is_array(loss) or np.shape(loss) != ():
         raise UsageError(f"loss_fn's loss must be a scalar, got shape {np.shape(loss)}: "
                          "reduce it over the batch (e.g. losses.mean())")
     metrics = aux[1]
     if not isinstance(metrics, dict):
-        got = "an array" if _is_array(metrics) else type(metrics).__name__
+        got = "an array" if is_array(metrics) else type(metrics).__name__
         raise UsageError(f"loss_fn's metrics must be a dict of scalars, got {got}: "
                          "return loss, (model_state, {'name': value}) ({} for none)")
 
@@ -107,7 +108,4 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
     line = text.splitlines()[0] if text else type(e).__name__
     return line if len(line) <= limit else line[:limit] + "..."
 
-
-def _is_array(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
 

@@ -21,7 +21,7 @@ Variable, a bare array (``nnx.data``) and a Variable that holds a host numpy arr
 in one line (``NNXStateError``): a step could neither place nor update them.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -65,50 +65,61 @@ def _collection(path: Path, var, what: str) -> Optional[str]:
     return kind
 
 
+class Slot(NamedTuple):
+    """One Variable of a module: where it sits in the module's graph, the name it is carried
+    under (the same path, unless the graph holds wrappers: ``nnx_wrap``), and its collection."""
+
+    at: Path
+    name: Path
+    var: Any
+    kind: Optional[str]
+
+
 class Parts:
     """A module cut into what stays fixed (its ``GraphDef``, each Variable's path and kind, the
     rng keys) and its variables ``{collection: nested dict}``; ``merge`` puts them back together.
-    ``what`` names the module in errors."""
+    ``what`` names the module in errors; ``names`` maps a path in the module's graph to the name
+    its Variable is carried under (default: the path itself)."""
 
-    def __init__(self, module, what: str = "the model"):
-        self.what = what
+    def __init__(self, module, what: str = "the model", names: Callable[[Path], Path] = tuple):
+        self.what, self.names = what, names
         self.graphdef, state = nnx.split(module)
-        self.slots: List[Tuple[Path, Any, Optional[str]]] = [
-            (path, var, _collection(path, var, what)) for path, var in nnx.to_flat_state(state)]
-        self.keys = {path: var.get_value() for path, var, kind in self.slots if kind is KEY}
+        self.slots: List[Slot] = [Slot(at, names(at), var, _collection(names(at), var, what))
+                                  for at, var in nnx.to_flat_state(state)]
+        self.keys = {s.name: s.var.get_value() for s in self.slots if s.kind is KEY}
 
     def variables(self, module=None) -> Dict[str, dict]:
         """``{collection: nested dict}`` of ``module``'s Variables (default: the values it was cut
         with); ``module`` must hold the same Variables at the same paths."""
         slots = self.slots if module is None else self._same_slots(module)
         out: Dict[str, dict] = {}
-        for path, var, kind in slots:
-            if kind is not KEY:
-                _put(out.setdefault(kind, {}), path, var.get_value())
+        for s in slots:
+            if s.kind is not KEY:
+                _put(out.setdefault(s.kind, {}), s.name, s.var.get_value())
         return out
 
     def merge(self, variables: Dict[str, dict], keys: Optional[dict] = None):
         """A module with these variables (and ``keys``, default the module's own rng keys)."""
         keys = self.keys if keys is None else keys
-        leaves = [(path, var.copy(keys[path] if kind is KEY else _at(variables[kind], path)))
-                  for path, var, kind in self.slots]
+        leaves = [(s.at, s.var.copy(keys[s.name] if s.kind is KEY else _at(variables[s.kind], s.name)))
+                  for s in self.slots]
         return nnx.merge(self.graphdef, nnx.from_flat_state(leaves))
 
     def state(self, variables: Dict[str, dict]):
         """An ``nnx.State`` of the Variables of the collections in ``variables`` (for ``nnx.update``)."""
-        return nnx.from_flat_state([(path, var.copy(_at(variables[kind], path))) for path, var, kind in self.slots
-                                    if kind in variables])
+        return nnx.from_flat_state([(s.at, s.var.copy(_at(variables[s.kind], s.name))) for s in self.slots
+                                    if s.kind in variables])
 
-    def _same_slots(self, module):
+    def _same_slots(self, module) -> List[Slot]:
         _, state = nnx.split(module)
         flat = list(nnx.to_flat_state(state))
-        if [p for p, _ in flat] != [p for p, _, _ in self.slots]:
-            was, now = {p for p, _, _ in self.slots}, {p for p, _ in flat}
+        if [p for p, _ in flat] != [s.at for s in self.slots]:
+            was, now = {s.name for s in self.slots}, {self.names(p) for p, _ in flat}
             changed = sorted(map(path_name, was ^ now))
             raise NNXStateError(f"{self.what}'s Variables changed while it ran ({', '.join(changed[:4])}"
                                 f"{', ...' if len(changed) > 4 else ''} added or removed): a step carries a fixed "
                                 "set; create every Variable in __init__ (sow intermediates outside the loss)")
-        return [(path, var, kind) for (path, var), (_, _, kind) in zip(flat, self.slots)]
+        return [s._replace(var=var) for (_, var), s in zip(flat, self.slots)]
 
 
 def keys_on_device(keys: dict, index) -> dict:

@@ -21,20 +21,26 @@ it, and reads back what the forward updated (``nnx.BatchStat``, ``nnx.RngCount``
   for a Linen loss, for draws the loss makes itself (``model(x, rngs=rng)``).
 
 The model runs in the mode it had when the Trainer was made (``model.train()`` first, as before
-a plain NNX loop); a loss may switch it (``model.eval()`` in ``eval_fn``). ZeRO-3 sees the
-merged module before the loss runs (``on_merge``): it intercepts its FSDP units there
-(``jaxdp.strategies.nnx_units``).
+a plain NNX loop); a loss may switch it (``model.eval()`` in ``eval_fn``).
+
+What a step tells the loss, it tells explicitly, on a copy of the task made for that step: the
+batch axes the device's index is taken over (``on_device``; outside a step, and in evaluation,
+every device draws device 0's streams), and ZeRO-3's ``run_unit`` (``running_units``), which the
+FSDP units of the model ZeRO-3 set up (``with_model``: each unit wrapped once, ``nnx_wrap``)
+run through.
 """
 
-import contextlib
-import contextvars
+import copy
 import inspect
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxdp.loss import reductions
+from jaxdp.loss.arraylike import is_array
+from jaxdp.loss import nnx_wrap
 from jaxdp.loss.nnx_state import Parts, keys_on_device
+from jaxdp.loss.nnx_wrap import Path
+from jaxdp.loss.reductions import device_index
 
 LOSS_FORM = "loss_fn(model, batch, rng) -> loss or (loss, metrics)"
 LINEN_FORM = "loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))"
@@ -49,46 +55,43 @@ class NNXModel:
     (``{"params", "batch_stats", "rng_counts"}``, as its constructor built them: nothing is
     drawn again) and ``merge`` a module holding given ones."""
 
-    def __init__(self, module):
-        self.module = module
-        self.parts = Parts(module)
+    def __init__(self, module, units: Sequence[Path] = ()):
+        self.module = module  # the user's, left as it is
+        self.units = tuple(units)  # the FSDP units' paths (``nnx.iter_modules``'): each wrapped in the merged graph
+        graph, names = nnx_wrap.wrapped(module, self.units) if self.units else (module, tuple)
+        self.parts = Parts(graph, names=names)
 
     # Unhashable: the engine caches a Linen model's init program by model (engine._init_key); an NNX
     # model's only places the values it is given, and an entry would keep every module alive.
     __hash__ = None
 
-    def init(self, rng=None, *args, **kwargs):
-        return self.parts.variables(self.module)
+    def with_units(self, units: Sequence[Path]) -> "NNXModel":
+        """The same model, its submodules at ``units`` FSDP units (``nnx_wrap``): the same variables."""
+        return NNXModel(self.module, units)
 
-    def merge(self, variables, keys=None):
-        return self.parts.merge(variables, keys)
+    def init(self, rng=None, *args, **kwargs):
+        return self.parts.variables()
+
+    def merge(self, variables, keys=None, run_unit: Optional[Callable] = None):
+        """A module holding ``variables``; its units run through ``run_unit`` (``nnx_wrap.arm``), if given."""
+        module = self.parts.merge(variables, keys)
+        if run_unit is not None:
+            nnx_wrap.arm(module, self.units, run_unit)
+        return module
 
     def variables(self, module) -> dict:
         return self.parts.variables(module)
-
-
-_ON_MERGE: contextvars.ContextVar = contextvars.ContextVar("jaxdp_nnx_on_merge", default=None)
-
-
-@contextlib.contextmanager
-def on_merge(hook: Callable[[Any], Any]):
-    """While active, every loss run merges its module and then enters ``hook(module)`` (a context
-    manager) around the user's loss: ZeRO-3 intercepts its units there."""
-    token = _ON_MERGE.set(hook)
-    try:
-        yield
-    finally:
-        _ON_MERGE.reset(token)
 
 
 class NNXTask:
     """The user's NNX ``loss_fn``/``eval_fn`` as ``jaxdp.loss.task``'s contract."""
 
     init_kwargs: dict = {}
+    batch_axes = None  # a step's (``on_device``): the device draws from its own rng streams; None: device 0's
+    run_unit: Optional[Callable] = None  # ZeRO-3's, in its step (``running_units``)
 
     def __init__(self, model: NNXModel, loss_fn: Callable, eval_fn: Optional[Callable] = None):
         self.model, self.user_loss_fn, self.user_eval_fn = model, loss_fn, eval_fn
-        self.eval_fn = None if eval_fn is None else self._eval
         names = positional(loss_fn)
         self.loss_takes_rng = names is None or len(names) >= 3  # loss_fn(model, batch) draws nothing of jaxdp's
 
@@ -96,10 +99,30 @@ class NNXTask:
     def model_inputs(batch):
         return (batch,)
 
-    def with_model(self, model):
-        raise ValueError("sync_bn and a mesh's model or stage axis run a copy of the model that jaxdp prepares, "
-                         "which an nnx.Module cannot take: train it data-parallel (ddp, zero1-3, hsdp, dp, async) "
-                         "on a mesh of data axes, with nnx.BatchNorm(axis_name='data') for synchronised statistics")
+    @property
+    def eval_fn(self) -> Optional[Callable]:
+        """``eval_fn(params, model_state, batch)``, or None without the user's (a property: a step's copy
+        of the task evaluates as that copy)."""
+        return None if self.user_eval_fn is None else self._eval
+
+    def with_model(self, model: NNXModel) -> "NNXTask":
+        """The same losses on ``model`` (ZeRO-3's, its units wrapped: ``NNXModel.with_units``)."""
+        return NNXTask(model, self.user_loss_fn, self.user_eval_fn)
+
+    def on_device(self, batch_axes) -> "NNXTask":
+        """This task as a step runs it on one device: the model draws from that device's rng streams,
+        by its index over ``batch_axes`` (this module's docstring)."""
+        return self._with(batch_axes=batch_axes)
+
+    def running_units(self, run_unit: Callable) -> "NNXTask":
+        """This task with the model's FSDP units run through ``run_unit(at, call, variables, mutable,
+        args, kwargs) -> (out, updated collections)`` (``nnx_wrap.UnitWrapper``)."""
+        return self._with(run_unit=run_unit)
+
+    def _with(self, **fields) -> "NNXTask":
+        task = copy.copy(self)
+        vars(task).update(fields)
+        return task
 
     def loss_fn(self, params, model_state, batch, rng=None):
         module = self._merged(params, model_state)
@@ -115,26 +138,25 @@ class NNXTask:
     def _merged(self, params, model_state):
         keys = self.model.parts.keys
         if keys:  # the device's own streams (this module's docstring)
-            keys = keys_on_device(keys, reductions.step_device_index())
-        return self.model.merge({"params": params, **model_state}, keys)
+            keys = keys_on_device(keys, 0 if self.batch_axes is None else device_index(self.batch_axes))
+        return self.model.merge({"params": params, **model_state}, keys, self.run_unit)
 
-    def _run(self, fn, module, *args):
-        hook = _ON_MERGE.get()
-        with hook(module) if hook is not None else contextlib.nullcontext():
-            try:
-                return fn(module, *args)
-            except (ValueError, AttributeError, KeyError) as e:
-                error = _rng_error(e)
-                if error is None:
-                    raise
-                raise error from None
+    @staticmethod
+    def _run(fn, module, *args):
+        try:
+            return fn(module, *args)
+        except (ValueError, AttributeError, KeyError) as e:
+            error = _rng_error(e)
+            if error is None:
+                raise
+            raise error from None
 
 
 def _loss_and_metrics(out):
     """(loss, metrics) from what an NNX loss returns: ``loss`` or ``(loss, metrics)``."""
-    if _is_array(out):
+    if is_array(out):
         loss, metrics = out, {}
-    elif isinstance(out, (tuple, list)) and len(out) == 2 and _is_array(out[0]):
+    elif isinstance(out, (tuple, list)) and len(out) == 2 and is_array(out[0]):
         loss, metrics = out
     else:
         got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
@@ -159,9 +181,6 @@ def _rng_error(e: BaseException) -> Optional[NNXLossError]:
                             "(model(x, rngs=rng), the loss's own key), or run it deterministic")
     return None
 
-
-def _is_array(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 # ----------------------------------------------------------------------------- the loss's form

@@ -87,12 +87,6 @@ def device_index(axes):
     return index
 
 
-def step_device_index():
-    """This device's index over the batch axes of the step being traced; 0 outside a step."""
-    context = current()
-    return 0 if context is None else device_index(context.batch_axes)
-
-
 # ----------------------------------------------------------------------------- clipping
 
 def global_sum_of_squares(tree):

@@ -289,17 +289,14 @@ def largest_divisor(n: int, at_most: int) -> int:
 
 
 def for_mesh(model, mesh, microbatches=None, batch_axes=()):
-    """``model``'s pipeline on ``mesh``: None without a ``stage`` axis of size > 1."""
+    """``model``'s pipeline on ``mesh``: None without a ``stage`` axis of size > 1. The model takes
+    one (its ``pipeline_layers()``): ``jaxdp.parallel.supports`` checked it."""
     size = axis_size(mesh, STAGE_AXIS)
     if size == 1:
         return None
     if axis_size(mesh, MODEL_AXIS) > 1:
         raise PipelineError("pipeline stages do not combine with a model axis (tensor parallelism) yet: "
                             "use --mesh data=...,stage=...")
-    if not hasattr(model, "pipeline_layers"):
-        raise PipelineError(f"{type(model).__name__} has no pipeline plan for the mesh's stage axis: give it a "
-                            "`pipeline_layers()` method that lists its layers (docs/strategies.md, "
-                            "jaxdp.parallel.protocol)")
     return Pipeline(model.pipeline_layers(), size, size if microbatches is None else microbatches,
                     batch_axes=batch_axes)
 

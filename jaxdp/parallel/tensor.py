@@ -166,21 +166,11 @@ def beside(model, name: str):
 
 
 def for_mesh(model, mesh, plan=None) -> Optional[TensorParallel]:
-    """``model``'s tensor parallelism on ``mesh``: None without a ``model`` axis of size > 1."""
+    """``model``'s tensor parallelism on ``mesh``: None without a ``model`` axis of size > 1. The
+    model takes one (its plan, its ``model_axis`` field): ``jaxdp.parallel.supports`` checked it."""
     size = axis_size(mesh, MODEL_AXIS)
     if size == 1:
         return None
     plan = plan if plan is not None else plan_of(model, size)
-    if plan is None:
-        raise TensorParallelError(
-            f"{type(model).__name__} has no tensor-parallel plan for the mesh's model axis: give its class a "
-            "TP_PLAN = {path pattern: Column() or Row()} (docs/strategies.md, jaxdp.parallel.protocol) or pass tp_plan=")
-    reason = model.check_model_split(size) if hasattr(model, "check_model_split") else None
-    if reason:
-        raise TensorParallelError(reason)
-    if not hasattr(model, "model_axis"):
-        raise TensorParallelError(f"{type(model).__name__} cannot run split over the model axis: give it a field "
-                                  "`model_axis: Optional[str] = None` that its layers split by (docs/strategies.md, "
-                                  "jaxdp.parallel.protocol)")
     note = model.model_split_note(size) if hasattr(model, "model_split_note") else None
     return TensorParallel(plan, size, note=note)

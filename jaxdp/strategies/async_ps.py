@@ -106,7 +106,7 @@ class AsyncPS(Strategy):
 
     def local_step(self, state, batch):
         loss, grads, model_state, metrics = local_grads(
-            self.task.loss_fn, self.params_read(state), state.model_state, batch, self.step_key(state.step),
+            self.step_task().loss_fn, self.params_read(state), state.model_state, batch, self.step_key(state.step),
             self.options.accum_steps)
         grads, _ = self.sync.update(grads, None, self.where(state.step))  # the server's average
         extra = state.extra

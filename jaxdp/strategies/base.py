@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.runtime import compile_options
 from jaxdp.runtime.mesh import DATA_AXIS, MeshDims, MeshError
-from jaxdp.parallel import pipeline, protocol, staged, tensor
+from jaxdp.parallel import pipeline, protocol, staged, supports, tensor
 from jaxdp.config.step import StrategyOptions
-from jaxdp.loss.nnx_task import NNXModel
+from jaxdp.loss.nnx_task import NNXModel, NNXTask
 from jaxdp.strategies.state import TrainState
 from jaxdp.strategies import layout
 from jaxdp.strategies.sync import Where
@@ -58,9 +58,12 @@ class Strategy(StepReductions):
         return self.eval_task.eval_fn(state.params, state.model_state, batch)
 
     def init_extra(self, params):
-        return None
+        """The gradient sync's own state (PowerSGD's), or None: the sync owns ``state.extra`` (``hooks.py``)."""
+        return None if self.sync is None else self.sync.init(params, self.num_devices)
 
     def extra_specs(self, extra):
+        if self.sync is not None and self.sync.stateful:
+            return self.sync.specs(self.axis)
         return jax.tree_util.tree_map(lambda _: P(), extra)
 
     def learn_units(self, init, batch):
@@ -120,6 +123,9 @@ class Strategy(StepReductions):
             MeshDims.of(mesh).check_for(self.facts.name, as_tuple(self.batch_axes), self.model_parallel)
         except MeshError as e:
             raise StrategyError(str(e)) from None
+        refused = supports.refusal(model, mesh, self.options.sync_bn, tp_plan)  # what the model takes on the mesh
+        if refused:
+            raise StrategyError(refused)
         try:
             tensor_parallel = tensor.for_mesh(model, mesh, tp_plan)  # over the mesh's model axis, if any
             self.pp = pipeline.for_mesh(model, mesh, microbatches, as_tuple(self.batch_axes))  # its stage axis
@@ -135,8 +141,6 @@ class Strategy(StepReductions):
         if self.pp is not None:
             self.init_model = pipeline.StackedInit(self.init_model, self.pp)
         sync_bn = self.options.sync_bn
-        if sync_bn and not hasattr(model, "bn_axis_name"):
-            raise StrategyError("sync_bn needs a model whose BatchNorm takes its reduction axes as `bn_axis_name`")
         self.model = self._in_mesh(_with_bn_axis(model, self.batch_axes if sync_bn else None))
         rebind = sync_bn or self.model_split is not None
         try:
@@ -220,6 +224,12 @@ class Strategy(StepReductions):
     def where(self, step, **sharded) -> Where:
         """What the gradient sync needs to know about this step (``sharded``: ZeRO's shards and buckets)."""
         return Where(step, self.axis, self.num_devices, self.param_order, **sharded)
+
+    def step_task(self):
+        """The task as this device's step runs it (a ``local_step`` takes its loss from here): an NNX
+        model draws from this device's own rng streams, by its index over the batch axes
+        (``jaxdp.loss.nnx_task``); any other task is the same task."""
+        return self.task.on_device(self.batch_axes) if isinstance(self.task, NNXTask) else self.task
 
     def step_key(self, step):
         """The loss's key: unique to the step and the device's block of the global batch

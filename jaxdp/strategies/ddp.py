@@ -45,16 +45,11 @@ class DDP(Strategy):
         # ring step is traced with check_vma=False (gradients stay local: see base.py, the check_vma trap).
         self.check_vma = o.allreduce != "ring"
 
-    def init_extra(self, params):
-        return self.sync.init(params, self.num_devices)
-
-    def extra_specs(self, extra):
-        return self.sync.specs(self.axis) if self.sync.stateful else super().extra_specs(extra)
-
     def local_step(self, state, batch):
         params = jax.lax.pcast(state.params, self.axis, to="varying")  # each device's own grads
         loss, grads, model_state, metrics = local_grads(
-            self.task.loss_fn, params, state.model_state, batch, self.step_key(state.step), self.options.accum_steps)
+            self.step_task().loss_fn, params, state.model_state, batch, self.step_key(state.step),
+            self.options.accum_steps)
         grads, extra = self.sync.update(grads, state.extra, self.where(state.step))
         return replicated_update(self, state, loss, grads, model_state, metrics, extra)
 

@@ -99,7 +99,8 @@ class DataParallel(Strategy):
         there, the params and model state broadcast back from device 0."""
         n, axis = self.num_devices, self.axis
         loss, grads, model_state, metrics = local_grads(
-            self.task.loss_fn, state.params, state.model_state, batch, self.step_key(state.step), self.options.accum_steps)
+            self.step_task().loss_fn, state.params, state.model_state, batch, self.step_key(state.step),
+            self.options.accum_steps)
         # Full-batch mean loss: this chunk's share of the gradient is (b/B) * grad(chunk mean).
         b = batch_size(batch)
         flat, unravel = ravel_pytree(grads)

@@ -23,7 +23,8 @@ class StrategyHooks(Protocol):
 
     # -- per device, inside the engine's program --------------------------------------------------
     def local_step(self, state: TrainState, batch) -> Tuple[TrainState, dict]:
-        """One training step on this device's batch: (new state, metrics from ``device_math.train_metrics``)."""
+        """One training step on this device's batch: (new state, metrics from ``device_math.train_metrics``).
+        Its loss is ``self.step_task().loss_fn`` (an NNX model's: this device's rng streams)."""
 
     def local_eval(self, state: TrainState, batch) -> dict:
         """This device's sums of ``eval_fn`` (the engine sums them over the batch axes)."""

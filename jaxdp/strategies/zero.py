@@ -134,6 +134,7 @@ class ZeRO(Strategy):
                      else ReduceScatter() if stage == 2 else GatherOnUse(REPLICA_AXIS if hsdp else None))
         self.check_vma = o.allreduce != "ring"
         self.units = units_for(model, units)  # Linen's or an NNX model's (nnx_units.py)
+        self.task, self.eval_task = self.units.prepared(self.task), self.units.prepared(self.eval_task)
         # What a unit keeps for backward, bound where the option is read: each unit runs
         # fsdp_unit with it (--remat reaches it in three calls: docs/architecture.md).
         self.run_unit = functools.partial(fsdp_unit, remat=o.remat)
@@ -143,24 +144,18 @@ class ZeRO(Strategy):
         """HSDP: the data-parallel devices as (replicas, shards), ``mesh_shape`` or the default."""
         return hsdp_mesh(mesh, self.options.mesh_shape) if self.hsdp else mesh
 
-    def init_extra(self, params):
-        return self.sync.init(params, self.num_devices)
-
-    def extra_specs(self, extra):
-        return self.sync.specs(self.axis) if self.sync.stateful else super().extra_specs(extra)
-
     def learn_units(self, init, batch):
         self.unit_paths = []
         if not self.units:
             return super().learn_units(init, batch)
-        shapes = []
-        self.unit_paths = self.units.paths(init, batch, with_shapes=shapes)  # traces init once: the order too
-        return shapes[0]
+        self.unit_paths, shapes = self.units.locate(init, batch)  # traces init once: the order too
+        return shapes
 
     # -- per device -----------------------------------------------------------------------------
     def local_step(self, state, batch):
         whole = not self.sharded_params  # stages 1 and 2 hold the params whole; stage 3 and HSDP as chunks
-        loss_fn = self.task.loss_fn if whole else self.gathering_loss(self.task.loss_fn)
+        task = self.step_task()
+        loss_fn = task.loss_fn if whole else self.gathering_loss(task, lambda t: t.loss_fn)
         loss, grads, model_state, metrics = local_grads(
             loss_fn, self.differentiated(state.params), state.model_state, batch, self.step_key(state.step),
             self.options.accum_steps)
@@ -195,14 +190,15 @@ class ZeRO(Strategy):
 
     def local_eval(self, state, batch):
         # As in training, one unit's params at a time: evaluation must fit where training does.
-        eval_fn = self.eval_task.eval_fn
-        return self.gathering_loss(lambda p, ms, b, _: eval_fn(p, ms, b))(state.params, state.model_state, batch,
-                                                                          None) \
-            if self.sharded_params else eval_fn(state.params, state.model_state, batch)
+        if not self.sharded_params:
+            return self.eval_task.eval_fn(state.params, state.model_state, batch)
+        evaluating = self.gathering_loss(self.eval_task, lambda t: lambda p, ms, b, _: t.eval_fn(p, ms, b))
+        return evaluating(state.params, state.model_state, batch, None)
 
     # -- collectives ------------------------------------------------------------------------------
-    def gathering_loss(self, loss_fn):
-        """``loss_fn`` on param chunks: the root unit gathered up front, every unit on use (``units.py``)."""
+    def gathering_loss(self, task, loss_of):
+        """``loss_of(task)``, a loss function, on param chunks: the root unit gathered up front, every
+        unit on use (``units.py``)."""
         axis, n, shapes = self.axis, self.shards, self.local_shapes  # one model slice of each param
 
         def gather_tree(chunks, full):
@@ -224,8 +220,8 @@ class ZeRO(Strategy):
                 return c if in_unit(leaf_path(path), self.unit_paths) else layout.gather(c, s.shape, axis, n)
             params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes)
             leads = [Lead.of_root()]  # then each unit's, in order
-            with self.units.on_use(functools.partial(gather_unit, leads)):
-                return loss_fn(params, model_state, batch, key)
+            with self.units.on_use(task, functools.partial(gather_unit, leads)) as gathering:
+                return loss_of(gathering)(params, model_state, batch, key)
         return run
 
     def my_chunks(self, tree):

@@ -103,7 +103,7 @@ def unit_paths(pair: ModelPair, module) -> List[Tuple[str, ...]]:
     from jaxdp.loss.nnx_task import NNXModel
     from jaxdp.strategies.nnx_units import NNXUnits
 
-    return NNXUnits(pair.flax_units, NNXModel(module)).paths(None)
+    return NNXUnits(pair.flax_units, NNXModel(module)).paths()
 
 
 def draws(pair: ModelPair, module, example, loss: Callable) -> Optional[str]:

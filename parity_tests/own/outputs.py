@@ -4,7 +4,7 @@ too: ``flax.struct.dataclass``). So ``outputs[0]``, ``outputs.logits`` and ``out
 work in a pair's loss whatever the harness did to the arrays inside (bfloat16's cast to
 float32), on both sides.
 
-Framework-free: an array is anything with a ``dtype``.
+Framework-free: an array is anything with a shape and a ``dtype`` (``jaxdp.loss.arraylike``, which imports nothing).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
+from jaxdp.loss.arraylike import is_array
+
 
 def map_arrays(x: Any, fn: Callable[[Any], Any]) -> Any:
     """``x`` with ``fn`` applied to every array in it, every container keeping its type."""
-    if _is_array(x):
+    if is_array(x):
         return fn(x)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         # a dataclass, HF's ModelOutput (an OrderedDict too) included: rebuilt through its own __init__
@@ -37,7 +39,7 @@ def map_arrays(x: Any, fn: Callable[[Any], Any]) -> Any:
 
 def arrays(x: Any) -> Iterator[Any]:
     """Every array in ``x``, in the order the model returned them (a dict's in its order)."""
-    if _is_array(x):
+    if is_array(x):
         yield x
     elif isinstance(x, Mapping):
         for value in x.values():
@@ -49,6 +51,3 @@ def arrays(x: Any) -> Iterator[Any]:
         for value in x:
             yield from arrays(value)
 
-
-def _is_array(x) -> bool:
-    return hasattr(x, "dtype") and hasattr(x, "shape")
