@@ -148,6 +148,17 @@ def test_zero3_reduce_scatters_each_unit_as_its_backward_ends(h100x8, name):
           f"{UNITS + 1} reduce-scatters have a convolution between their halves")
 
 
+ZERO3_GATHERED_BEFORE = 79.9e6  # all-gather output bytes per step and device with float32 gathers (70.5 MB of them)
+
+
+def test_zero3_gathers_the_bf16_it_computes_in(h100x8):
+    """Each conv kernel and the fc cast to bfloat16 before the all-gather (FSDP2's param_dtype=bfloat16),
+    the BatchNorm scales and shifts gathered as the float32 they are used in: 44.7 MB, from 79.9."""
+    gathered = h100x8["zero3"]["traffic"]["ops"]["all-gather"]
+    assert gathered["output_bytes"] <= 48e6 < ZERO3_GATHERED_BEFORE
+    assert gathered["output_by_dtype"]["bf16"] > 50 * gathered["output_by_dtype"].get("f32", 0)
+
+
 def test_zero3_temp_memory_stays_within_a_quarter_of_before(h100x8):
     """Prefetching keeps two units' params alive at most: temp must not grow past 1.25x (it fell)."""
     assert h100x8["zero3"]["memory"]["temp_bytes"] <= 1.25 * ZERO3_BEFORE_TEMP

@@ -34,6 +34,8 @@ def add_inspect_args(p) -> None:
                   compress="ddp/zero1 gradient compression (async: bf16, fp16)")
     add_model_args(p)
     p.add_argument("--batch-per-device", type=int, default=1, help="images per device per step")
+    p.add_argument("--accum-steps", type=int, default=1,
+                   help="micro-batches per update: the step compiled accumulating (each device's batch split)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="model-state bytes only (no compiled memory or HLO)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -95,6 +97,8 @@ def run(args) -> int:
     from jaxdp.strategies import StrategyError
 
     options = {k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None}
+    if args.accum_steps != 1:
+        options["accum_steps"] = args.accum_steps
     vit = {k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None}
     try:
         report = inspect_strategy(

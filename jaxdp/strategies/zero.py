@@ -183,6 +183,8 @@ class ZeRO(Strategy):
         loss_fn = self.task.loss_fn if whole else self.gathering_loss(self.task.loss_fn)
         params = self.differentiated(state.params)
         once = not whole and self.options.accum_reduce == "once"
+        if once:
+            self.refuse_unless_unsharded_fits(state)
         loss, grads, model_state, metrics = local_grads(
             loss_fn, Unsharded(params, None) if once else params, state.model_state, batch,
             self.step_key(state.step), self.options.accum_steps,
@@ -224,6 +226,21 @@ class ZeRO(Strategy):
         return self.gathering_loss(lambda p, ms, b, _: eval_fn(p, ms, b))(state.params, state.model_state, batch,
                                                                           None) \
             if self.sharded_params else eval_fn(state.params, state.model_state, batch)
+
+    def refuse_unless_unsharded_fits(self, state):
+        """One line if ``accum_reduce="once"`` does not fit the device by the formula: the state a device
+        keeps (params and optimizer chunks), its gradient chunk, and the unsharded gradients, pΨ
+        (``unsharded_grad_bytes``). Devices that report no limit (the CPU backend) are not checked."""
+        capacity = memory_limit(self.mesh.devices.flat[0])
+        if capacity is None:
+            return
+        kept = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves((state.params, state.opt_state)))
+        chunk = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state.params))
+        needed = kept + chunk + unsharded_grad_bytes(self.local_shapes)
+        if needed > capacity:
+            raise StrategyError(f"accum_reduce once needs {needed / 2**30:.2f} GiB per device for the model state "
+                                f"and the unsharded gradients, the device has {capacity / 2**30:.2f} GiB: use "
+                                "accum_reduce each (the default)")
 
     def unsharded_zeros(self, chunks):
         """Zeros of every param's full shape, varying where its gathered tensor varies: what
@@ -314,6 +331,20 @@ class ZeRO(Strategy):
     def bucket_groups(self):
         """DDP's buckets (reverse definition order, torch's sizes) as groups of leaf indices."""
         return bucket_groups(self.local_shapes, self.param_order, self.limits, self.model_split)
+
+def unsharded_grad_bytes(shapes) -> int:
+    """pΨ: what ``accum_reduce="once"`` adds per device, every param's gradient whole."""
+    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree_util.tree_leaves(shapes)))
+
+
+def memory_limit(device):
+    """The bytes a device's allocator may use, None where it reports none (the CPU backend, compile-only GPUs)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # compile-only devices have no allocator to ask
+        return None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
 
 def default_hsdp_shape(devices) -> tuple:
     """(replicas, shards) for these devices when the user names none: one shard group per host
