@@ -28,6 +28,7 @@ import re
 from typing import Optional
 
 import jax
+from jax.custom_derivatives import SymbolicZero
 from flax import errors as flax_errors
 from jax.sharding import PartitionSpec as P
 
@@ -81,7 +82,8 @@ def _mismatch(message: str) -> str:
 
 
 def varying_axes(x) -> frozenset:
-    """The mesh axes ``x`` varies over inside shard_map (jax 0.10: ``aval.mat.varying``)."""
-    aval = jax.typeof(x)
+    """The mesh axes ``x`` (an array, or a ``custom_vjp``'s symbolic zero cotangent) varies over inside
+    shard_map (jax 0.10: ``aval.mat.varying``)."""
+    aval = x.aval if isinstance(x, SymbolicZero) else jax.typeof(x)
     vma = getattr(aval, "vma", None)
     return frozenset(vma if vma is not None else aval.mat.varying)

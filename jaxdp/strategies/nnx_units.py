@@ -32,7 +32,8 @@ from flax import nnx
 
 from jaxdp.loss import nnx_task
 from jaxdp.loss.nnx_state import Parts, path_name
-from jaxdp.strategies.units import UnitError, Units
+from jaxdp.strategies.errors import UnitError
+from jaxdp.strategies.linen_units import Units
 
 Path = Tuple[str, ...]
 
