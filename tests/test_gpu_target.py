@@ -112,6 +112,8 @@ def test_zero3_gathers_each_unit_forward_and_backward_one_unit_ahead(h100x8, nam
     gathers = of_kind(r, "all-gather")
     assert len(gathers) >= 2 * UNITS
     assert all(overlaps(c) for c in gathers[1:]), [(c["name"], c["compute_between"]) for c in gathers]
+    if name == "zero3":  # the last unit's re-gather may start with its own forward: a convolution in its window
+        assert sum(overlaps(c, matmul=True) for c in gathers[1:]) >= 12
     print(f"{name}: {sum(overlaps(c, matmul=True) for c in gathers[1:])} of {len(gathers) - 1} gathers after the "
           "first have a convolution between their halves")
 
