@@ -1,5 +1,5 @@
 """The torch leg's parity pairs (``.ci/torch_leg`` runs this in the leg's venv): ddp, zero1, zero3
-and hsdp at N=2 in float64 and zero3 in bfloat16, on the parity tests' tiny ResNet, in one
+and hsdp at N=2 in float64 and zero3 in bfloat16 (gradients reduced in float32, and in bfloat16), on the parity tests' tiny ResNet, in one
 process (one JAX start and one forkserver for every pair's torch ranks: a fraction of five
 ``jaxdp parity`` runs). Prints the versions, then PASS or FAIL per pair with its largest error,
 and the full report of a failing pair; exit status 1 if any failed.
@@ -32,6 +32,8 @@ PAIRS = {
     "zero3 float64": dict(strategy="zero3", dtype="float64", **ADAM),
     "hsdp float64": dict(strategy="hsdp", dtype="float64", **SGD),
     "zero3 bfloat16": dict(strategy="zero3", dtype="bfloat16", **ADAM),  # FSDP2's bf16 policies, BatchNorm fp32
+    # ... with gradients reduce-scattered in bf16 (MixedPrecisionPolicy(reduce_dtype=bf16))
+    "zero3 bf16 reduce": dict(strategy="zero3", dtype="bfloat16", reduce_dtype="bfloat16", **ADAM),
 }
 
 

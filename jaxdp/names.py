@@ -85,6 +85,8 @@ SCHEDULES = ("constant", "cosine", "multistep", "warmup_cosine")
 ALLREDUCES = ("psum", "ring")  # how DDP's all-reduce sums: XLA's collective, or a ring of ppermutes
 COMPRESSIONS = ("bf16", "fp16", "powersgd")  # torch's DDP communication hooks
 REMATS = ("unit", "none")  # what an FSDP unit keeps for backward: its input (and recomputes), or its activations
+REDUCE_DTYPES = ("float32", "bfloat16")  # what ZeRO-3 reduce-scatters gradients in (default: the params' dtype)
+ACCUM_REDUCES = ("each", "once")  # ZeRO-3's reduce-scatter: each micro-batch, or once per update (unsharded sum)
 
 
 def family(model: str) -> Family:

@@ -58,6 +58,11 @@ F64 = {
     # same twin, whose run the two cases above reuse. N = 3 pads, K = 4 reduce-scatters per micro-batch.
     "zero3-n3-accum4-remat_none-adam": dict(F64_ZERO3_N3_ACCUM4, remat="none"),
     "hsdp-2x2-remat_none-sgd": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), remat="none", steps=LONG, **SGD),
+    # Reduce-scattering once per update, the unsharded gradients summed over the micro-batches: what
+    # FSDP2 does under set_requires_gradient_sync(False), the twin the two accum4 cases run against.
+    "zero3-n3-accum4-once-adam": dict(F64_ZERO3_N3_ACCUM4, accum_reduce="once"),
+    "hsdp-2x2-accum4-once-adamw": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), accum_steps=4,
+                                       accum_reduce="once", steps=LONG, **ADAMW),
     "ddp-fp16-hook": dict(strategy="ddp", devices=2, compress="fp16", steps=SHORT, **SGD),
     "ddp-bf16-hook": dict(strategy="ddp", devices=2, compress="bf16", steps=SHORT, **SGD),
     # 20 steps of rank-1 PowerSGD: its error feedback and warm-started Q carry every step's

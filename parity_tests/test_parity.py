@@ -62,8 +62,11 @@ def test_every_strategy_is_paired_from_its_facts():
     from parity_tests.pairs import PAIRS, pair_for
 
     assert set(PAIRS) == set(STRATEGIES)  # runner names them itself: it must not import jax
-    assert pair_for("hsdp").twin == facts("hsdp").twin and pair_for("hsdp").options == ("mesh_shape", "remat")
-    assert pair_for("zero3").options == ("remat",)  # FSDP2 keeps activations: both values, one twin
+    assert pair_for("hsdp").twin == facts("hsdp").twin
+    assert pair_for("hsdp").options == ("mesh_shape", "remat", "reduce_dtype", "accum_reduce")
+    # FSDP2 keeps activations and accumulates unsharded gradients: remat's and accum_reduce's values, one twin;
+    # reduce_dtype is MixedPrecisionPolicy(reduce_dtype=...) on the torch side.
+    assert pair_for("zero3").options == ("remat", "reduce_dtype", "accum_reduce")
     assert pair_for("zero2").options == ()  # jaxdp's buckets take bucket_cap_mb, FSDP2 has no such knob
 
 

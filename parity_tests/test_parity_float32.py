@@ -43,6 +43,8 @@ BF16_BN = {
     "zero2-n2-adam": dict(strategy="zero2", devices=2, steps=SHORT, **ADAM),
     "zero3-n2-adam": dict(strategy="zero3", devices=2, steps=SHORT, **ADAM),
     "hsdp-2x2-adam": dict(strategy="hsdp", devices=4, mesh_shape=(2, 2), steps=SHORT, **ADAM),
+    # Gradients reduce-scattered in bfloat16 on both sides (FSDP2's MixedPrecisionPolicy(reduce_dtype=bf16)).
+    "zero3-n2-reduce_bf16-adam": dict(strategy="zero3", devices=2, reduce_dtype="bfloat16", steps=SHORT, **ADAM),
 }
 
 

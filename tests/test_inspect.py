@@ -72,6 +72,16 @@ def test_the_zero_table(name, total):
     assert sum(formula_bytes(name, psi, psi, 8, 4, 8)["exact"].values()) == pytest.approx(total * psi)
 
 
+def test_accumulating_unsharded_adds_p_psi_inside_the_step():
+    """zero3 with accum_reduce once: the unsharded gradients, 4Ψ (f32) per device beside the table's
+    (4+4+K)Ψ/N; the state kept between steps is unchanged."""
+    psi = 11_173_962
+    each, once = (formula_bytes("zero3", psi, psi, 8, 4, 8, unsharded_grads=u)["exact"] for u in (False, True))
+    assert once["unsharded_grads"] == 4 * psi and each["unsharded_grads"] == 0
+    assert {k: v for k, v in once.items() if k != "unsharded_grads"} == {k: v for k, v in each.items()
+                                                                         if k != "unsharded_grads"}
+
+
 # ResNet-18 at width 32 (Ψ = 2.8M) on 16x16 images, one per device: params, not activations,
 # dominate, and the largest unit (a layer4 block) is 0.42Ψ. Compiling both steps: ~30 s of CPU.
 @pytest.fixture(scope="module")

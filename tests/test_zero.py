@@ -545,6 +545,99 @@ def test_accumulation_reduces_as_documented(name):
     assert once.get("all-reduce", 0) >= (2 if name == "hsdp" else 1)  # the metrics; hsdp: + the replicas'
 
 
+def test_accumulating_unsharded_and_reducing_once_equals_ddp():
+    """``accum_reduce="once"`` (FSDP2's set_requires_gradient_sync(False)): the unsharded gradients summed
+    over the 2 micro-batches, reduce-scattered once: DDP's training, as the default's is (hsdp's: the
+    parity pairs, against FSDP2)."""
+    assert_same_training(train("zero3", "sgd", accum_reduce="once", units=UNITS), ddp("sgd"))
+
+
+def test_reduce_scatters_per_update_do_not_grow_with_micro_batches():
+    """Read off the compiled step (counted as often as they run): ``each`` reduce-scatters every tensor per
+    micro-batch, ``once`` one group per FSDP unit and the root's, whatever K. The unsharded gradients
+    cost their bytes in temp memory; the reduce-scatters move K times fewer bytes."""
+    from jaxdp.analysis.hlo import parse_collectives
+
+    model = small_resnet()
+    x, y = random_batch(16)
+
+    def compiled(k, mode):
+        strategy = make("zero3", model, optax.sgd(0.1), 4, units=UNITS, accum_steps=k, accum_reduce=mode)
+        state = strategy.engine.init_state(init(model))
+        program = strategy.engine.lower_step(state, strategy.engine.shard_batch(as_batch(x, y))).compile()
+        return parse_collectives(program.as_text(), 4)["ops"]["reduce-scatter"]
+
+    once = {k: compiled(k, "once") for k in (1, 4)}
+    assert {c["count"] for c in once.values()} == {len(UNITS_OF_SMALL_RESNET) + 1}  # each unit's and the root's
+    assert once[1]["output_bytes"] == once[4]["output_bytes"]
+    each = compiled(4, "each")  # tensor by tensor, every micro-batch
+    assert each["count"] % 4 == 0 and each["count"] >= 4 * once[4]["count"]
+    assert each["output_bytes"] == pytest.approx(4 * once[4]["output_bytes"], rel=0.01)  # less each tensor's padding
+
+
+UNITS_OF_SMALL_RESNET = ("layer1/0", "layer2/0")
+
+
+def test_accum_reduce_once_is_refused_where_the_formula_says_it_does_not_fit(monkeypatch):
+    """On a device that reports its memory: params, optimizer state, the gradient chunk and pΨ of
+    unsharded gradients must fit, else one line before anything is compiled."""
+    import jaxdp.strategies.zero as zero
+
+    model = small_resnet()
+    strategy = make("zero3", model, optax.sgd(0.1), 4, units=UNITS, accum_steps=2, accum_reduce="once")
+    state = strategy.engine.init_state(init(model))
+    batch = strategy.engine.shard_batch(as_batch(*random_batch(16)))
+    psi_bytes = zero.unsharded_grad_bytes(strategy.local_shapes)
+    monkeypatch.setattr(zero, "memory_limit", lambda device: psi_bytes)  # room for the unsharded grads alone
+    with pytest.raises(StrategyError, match="accum_reduce once needs .* GiB per device.*accum_reduce each"):
+        strategy.engine.lower_step(state, batch)
+    with pytest.raises(StrategyError, match="zero2' takes no option accum_reduce"):
+        make("zero2", model, optax.sgd(0.1), 4, accum_reduce="once")
+
+
+def test_bf16_compute_gathers_bf16_with_results_bit_identical(monkeypatch):
+    """Under bfloat16 compute the chunks are cast before the all-gather (the norm layers' params, used
+    in float32, are not), and nothing changes by a bit against gathering float32 and casting after
+    (``casts.single_casts`` answering None everywhere: the program before). ``reduce_dtype``: the
+    reduce-scatters move bfloat16. Read from the program as written: XLA:CPU widens bf16 collectives."""
+    from jaxdp.analysis.hlo import parse_collectives
+    from jaxdp.strategies import casts
+
+    model = ResNet(block=BasicBlock, stage_sizes=(1, 1), width=4, num_classes=10, dtype=jnp.bfloat16,
+                   param_dtype=jnp.float32)
+    units = fsdp_units(model)
+    batches = [random_batch(16, seed=s) for s in range(2)]
+
+    def run(steps=batches, **options):
+        strategy = make("zero3", model, OPTIMIZERS["adam"](), 4, units=units, **options)
+        state, history = run_steps(strategy, strategy.engine.init_state(init(model)), steps)
+        written = strategy.engine.lower_step(state, strategy.engine.shard_batch(as_batch(*batches[0])))
+        text = written.compiler_ir("hlo").as_hlo_text()
+        gathers = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", text)  # (dtype, dims) of each all-gather
+        return (strategy.engine.canonical(state).params, [float(m["loss"]) for m in history],
+                parse_collectives(text, 4)["ops"], gathers)
+
+    params, losses, ops, gathers = run()
+    gathered = ops["all-gather"]["output_by_dtype"]
+    assert set(gathered) == {"bf16", "f32"} and gathered["bf16"] > 2 * gathered["f32"]
+    # Every kernel moves bfloat16; float32 only the norm layers' scales and shifts (vectors).
+    assert {dtype for dtype, dims in gathers if dims.count(",") >= 1} == {"bf16"}
+    assert {dtype for dtype, dims in gathers if dims.count(",") == 0} == {"bf16", "f32"}  # fc's bias is cast
+    assert set(ops["reduce-scatter"]["output_by_dtype"]) == {"f32"}
+
+    monkeypatch.setattr(casts, "single_casts", lambda loss_fn, shapes, *args: jax.tree_util.tree_map(
+        lambda s: None, shapes))
+    before_params, before_losses, before_ops, _ = run()
+    assert set(before_ops["all-gather"]["output_by_dtype"]) == {"f32"}
+    assert losses == before_losses and len(losses) == 2
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, params, before_params))
+
+    monkeypatch.undo()
+    _, _, bf16_ops, _ = run(steps=[], reduce_dtype="bfloat16")
+    assert set(bf16_ops["reduce-scatter"]["output_by_dtype"]) == {"bf16"}
+    assert bf16_ops["reduce-scatter"]["output_bytes"] == ops["reduce-scatter"]["output_bytes"] / 2
+
+
 def test_hsdp_mesh_options():
     model, tx = small_resnet(), OPTIMIZERS["sgd"]()
     assert make("hsdp", model, tx, 8).mesh.devices.shape == (2, 4)  # default R = 2

@@ -205,25 +205,30 @@ def zero1(model: nn.Module, **ddp_options):
 
 
 def fsdp(model: nn.Module, *, reshard_after_forward: bool, mesh=None,
-         mixed_precision: bool = False, units: Optional[Sequence[Any]] = None) -> nn.Module:
+         mixed_precision: bool = False, units: Optional[Sequence[Any]] = None,
+         reduce_dtype: Optional[str] = None) -> nn.Module:
     """FSDP2: ``fully_shard`` each block (ResNet residual block, ViT encoder block, or the
     ``units`` a model names: ``fsdp_blocks``), then the root (stem, head and whatever the
     blocks left). ``reshard_after_forward=False``
     keeps each block's gathered params until its backward (ZeRO-2: one all-gather per
     step); ``True`` frees them after the forward and all-gathers again in the backward
     (ZeRO-3). With ``mixed_precision`` (``mixed_precision_policies``) the forward and
-    backward run in bf16 around float32 norm layers and gradients are reduced in fp32."""
-    from torch.distributed.fsdp import fully_shard
+    backward run in bf16 around float32 norm layers and gradients are reduced in fp32.
+    ``reduce_dtype`` (jaxdp's option of that name): the dtype FSDP2 reduces gradients in
+    (``MixedPrecisionPolicy(reduce_dtype=...)``; None: the params' own, fp32 under mixed precision)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: Dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
         kwargs["mesh"] = mesh
     if not mixed_precision:
+        if reduce_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=getattr(torch, reduce_dtype))
         for block in fsdp_blocks(model, units):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         return model
-    norm, body, root = mixed_precision_policies()
+    norm, body, root = mixed_precision_policies(getattr(torch, reduce_dtype or "float32"))
     for layer in _norm_layers(model):  # first: a module already sharded keeps its own policy
         fully_shard(layer, mp_policy=norm, **kwargs)
     for block in fsdp_blocks(model, units):
@@ -240,7 +245,7 @@ def _norm_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters())]
 
 
-def mixed_precision_policies():
+def mixed_precision_policies(reduce_dtype=None):
     """FSDP2 ``MixedPrecisionPolicy``s for bf16 compute with fp32 master weights, as jaxdp's
     ``--dtype bfloat16`` computes: ``(norm layers, blocks, root)``.
 
@@ -252,13 +257,16 @@ def mixed_precision_policies():
       FSDP2 mixed-precision test shards BatchNorm first with such a policy.)
     - blocks: params all-gathered and computed in bf16, gradients reduced in fp32.
     - root: the same, with fp32 logits out, so the loss is computed in float32 (jaxdp's
-      model returns float32 logits)."""
+      model returns float32 logits).
+
+    ``reduce_dtype``: what every policy reduces gradients in (default fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16, fp32 = torch.bfloat16, torch.float32
-    return (MixedPrecisionPolicy(reduce_dtype=fp32, output_dtype=bf16),
-            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
-            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32))
+    reduce = reduce_dtype or fp32
+    return (MixedPrecisionPolicy(reduce_dtype=reduce, output_dtype=bf16),
+            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=reduce),
+            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=reduce, output_dtype=fp32))
 
 
 def zero2(model: nn.Module, *, device: Optional[torch.device] = None, **options) -> nn.Module:
@@ -286,7 +294,8 @@ def hsdp_mesh_shape(mesh_shape: Optional[Sequence[int]], world: int) -> Tuple[in
 
 
 def hsdp(model: nn.Module, *, device: torch.device, mesh_shape: Optional[Sequence[int]] = None,
-         mixed_precision: bool = False, units: Optional[Sequence[Any]] = None) -> nn.Module:
+         mixed_precision: bool = False, units: Optional[Sequence[Any]] = None,
+         reduce_dtype: Optional[str] = None) -> nn.Module:
     """HSDP: FSDP2 over a 2-D mesh. Params are sharded over "shard" and replicated over
     "replicate"; gradients are reduce-scattered within a shard group, then all-reduced
     across replica groups (ZeRO-3 resharding, as ``zero3``)."""
@@ -294,7 +303,8 @@ def hsdp(model: nn.Module, *, device: torch.device, mesh_shape: Optional[Sequenc
 
     shape = hsdp_mesh_shape(mesh_shape, tdist.world_size())
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
-    return fsdp(model, reshard_after_forward=True, mesh=mesh, mixed_precision=mixed_precision, units=units)
+    return fsdp(model, reshard_after_forward=True, mesh=mesh, mixed_precision=mixed_precision, units=units,
+                reduce_dtype=reduce_dtype)
 
 
 # ----------------------------------------------------------------------------- comm hooks
@@ -478,8 +488,8 @@ TWINS = {
     "ddp": Twin(ddp, DDP_OPTIONS, on_mesh=_ddp_on_mesh),
     "zero1": Twin(zero1, DDP_OPTIONS, zero_optimizer=True),
     "zero2": Twin(zero2, fsdp=True),
-    "zero3": Twin(zero3, fsdp=True, on_mesh=_zero3_on_mesh),
-    "hsdp": Twin(hsdp, ("mesh_shape",), fsdp=True),
+    "zero3": Twin(zero3, ("reduce_dtype",), fsdp=True, on_mesh=_zero3_on_mesh),
+    "hsdp": Twin(hsdp, ("mesh_shape", "reduce_dtype"), fsdp=True),
 }
 STRATEGIES = tuple(TWINS)
 

@@ -21,7 +21,8 @@ import re
 
 import numpy as np
 
-from jaxdp.analysis.hlo_text import branches, callees, read_module, shape_bytes, trip_count, tuple_elements
+from jaxdp.analysis.hlo_text import (branches, callees, read_module, shape_bytes, shape_bytes_by_dtype, trip_count,
+                                     tuple_elements)
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -120,6 +121,7 @@ def _op_bytes(kind: str, out: float, g: int):
 def collective_instructions(hlo_text: str, num_devices: int) -> list:
     """Every collective instruction of the module, in text order: ``{"name", "kind", "computation",
     "runs"`` (times per step), ``"output_bytes", "input_bytes", "ring_bytes"`` (per device, per run),
+    ``"output_by_dtype"`` (the output bytes per element type, ``{"bf16": ..., "f32": ...}``),
     ``"groups"`` (replica groups; a collective-permute: None, and its ``"pairs"``), ``"branch"``
     (the (conditional, branch index) it runs in, or None)``}``. A ``-start`` is the instruction; its
     ``-done`` is not listed."""
@@ -133,13 +135,14 @@ def collective_instructions(hlo_text: str, num_devices: int) -> list:
                 continue
             kind, is_start = m.group(1), m.group(2) is not None
             result = _result_text(line, m.start())
-            out = shape_bytes(_async_output(kind, result) if is_start else result)
+            by_dtype = shape_bytes_by_dtype(_async_output(kind, result) if is_start else result)
+            out = sum(by_dtype.values(), 0.0)
             permute = kind == "collective-permute"
             groups = None if permute else replica_groups(line, num_devices)
             inp, ring = _op_bytes(kind, out, max(len(groups[0]) if groups else num_devices, 1))
             found.append({"name": line.split("=", 1)[0].strip().lstrip("ROOT").strip().lstrip("%"), "kind": kind,
                           "computation": name, "runs": runs.get(name, 1) or 1, "output_bytes": out,
-                          "input_bytes": inp, "ring_bytes": ring, "groups": groups,
+                          "input_bytes": inp, "ring_bytes": ring, "groups": groups, "output_by_dtype": by_dtype,
                           "pairs": permute_pairs(line) if permute else None, "branch": branch_of.get(name)})
     return found
 
@@ -147,21 +150,24 @@ def collective_instructions(hlo_text: str, num_devices: int) -> list:
 def parse_collectives(hlo_text: str, num_devices: int) -> dict:
     """Count collectives in optimized HLO text; bytes per device, in ring terms (see module docstring).
 
-    Returns ``{"ops": {kind: {"count", "input_bytes", "output_bytes", "ring_bytes", "by_groups"}},
+    Returns ``{"ops": {kind: {"count", "input_bytes", "output_bytes", "output_by_dtype", "ring_bytes",
+    "by_groups"}},
     "ring_bytes": total, "conditionals": [ring bytes per branch, ...], "unknown_trip_counts": n}``.
     ``ops`` counts every op, in every branch; ``ring_bytes`` counts the larger branch of each
     conditional. ``by_groups``: per distinct replica-group layout (collective-permute: groups None, per
     distinct ``pairs``, its source/target device pairs).
     """
     _, _, branch_counts, unknown = _call_graph(read_module(hlo_text))
-    ops = {kind: {"count": 0, "input_bytes": 0.0, "output_bytes": 0.0, "ring_bytes": 0.0, "by_groups": []}
-           for kind in COLLECTIVES}
+    ops = {kind: {"count": 0, "input_bytes": 0.0, "output_bytes": 0.0, "ring_bytes": 0.0, "by_groups": [],
+                  "output_by_dtype": {}} for kind in COLLECTIVES}
     unconditional, branch_ring = 0.0, {cid: [0.0] * n for cid, n in branch_counts.items()}
     for op in collective_instructions(hlo_text, num_devices):
         k, entry = op["runs"], ops[op["kind"]]
         entry["count"] += k
         entry["input_bytes"] += k * op["input_bytes"]
         entry["output_bytes"] += k * op["output_bytes"]
+        for dtype, b in op["output_by_dtype"].items():
+            entry["output_by_dtype"][dtype] = entry["output_by_dtype"].get(dtype, 0.0) + k * b
         entry["ring_bytes"] += k * op["ring_bytes"]
         _add_to_groups(entry["by_groups"], op["groups"], k, op["output_bytes"], op["ring_bytes"], op["pairs"])
         if op["branch"] is not None:

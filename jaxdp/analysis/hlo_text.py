@@ -32,12 +32,17 @@ def dtype_bytes(dtype: str) -> Optional[float]:
 
 def shape_bytes(text: str) -> float:
     """Bytes of every array shape written in ``text`` (a shape, a tuple of shapes, a whole line)."""
-    total = 0.0
+    return sum(shape_bytes_by_dtype(text).values(), 0.0)
+
+
+def shape_bytes_by_dtype(text: str) -> Dict[str, float]:
+    """``shape_bytes`` per element type (``{"bf16": ..., "f32": ...}``)."""
+    found: Dict[str, float] = {}
     for dtype, dims in _SHAPE.findall(text):
         size = dtype_bytes(dtype)
         if size is not None:
-            total += size * math.prod(int(d) for d in dims.split(",") if d)
-    return total
+            found[dtype] = found.get(dtype, 0.0) + size * math.prod(int(d) for d in dims.split(",") if d)
+    return found
 
 
 def array_shapes(text: str) -> List[Tuple[str, Tuple[int, ...]]]:

@@ -81,7 +81,8 @@ def meshes(name: str, n: int) -> List[Optional[tuple]]:
 def plan(model: str = "resnet18", devices: int = 8, device_memory: Optional[float] = None,
          global_batch_size: int = 256, *, width: int = 64, blocks: Optional[Sequence[int]] = None, stem: str = "cifar",
          optimizer: str = "sgd", dtype: str = "float32", image_size: int = 32,
-         strategies: Optional[Sequence[str]] = None, staleness: int = 1, verify: bool = True, target=None) -> dict:
+         strategies: Optional[Sequence[str]] = None, staleness: int = 1, verify: bool = True, target=None,
+         accum_steps: int = 1, accum_reduce: str = "each") -> dict:
     """The plan as a dict: the inputs, one row per (strategy, mesh) and the recommended row's index.
     ``strategies``: a subset of ``candidates()`` (None: all of them). ``target``: a GPU target
     (``jaxdp.runtime.target.Target`` of ``devices`` GPUs in all): every program is compiled for it,
@@ -106,7 +107,8 @@ def plan(model: str = "resnet18", devices: int = 8, device_memory: Optional[floa
     net = create_model(model, width=width, blocks=blocks, stem=stem, dtype=dtype)
     check_batchnorm_has_values(net, b, image_size)
     rows = [plan_strategy(name, mesh_shape, net, n, b, device_memory, optimizer=optimizer, image_size=image_size,
-                          staleness=staleness, verify=verify, devices=pool)
+                          staleness=staleness, verify=verify, devices=pool,
+                          accum=dict(accum_steps=accum_steps, accum_reduce=accum_reduce))
             for name in planned if name in strategies for mesh_shape in meshes(name, n)]
     compiled_for = (f"{target.describe()}: compile-only GPUs, XLA:GPU's buffer assignment" if target is not None
                     else f"{n} simulated CPU devices: XLA:CPU's buffer assignment")
@@ -114,6 +116,7 @@ def plan(model: str = "resnet18", devices: int = 8, device_memory: Optional[floa
             "compiled_for": compiled_for, "target": target.gpu.name if target is not None else None,
             "optimizer": optimizer, "image_size": image_size, "devices": n, "device_memory": device_memory,
             "global_batch_size": global_batch_size, "batch_per_device": b, "psi": rows[0]["psi"] if rows else None,
+            "accum_steps": accum_steps, "accum_reduce": accum_reduce,
             "rows": rows, "recommended": recommend(rows), "rule": rule()}
 
 
@@ -124,11 +127,15 @@ def recommend(rows: List[dict]) -> Optional[int]:
 
 
 def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: float, *, optimizer: str,
-                  image_size: int, staleness: int, verify: bool, devices=None) -> dict:
+                  image_size: int, staleness: int, verify: bool, devices=None, accum: Optional[dict] = None) -> dict:
     """One row of the plan: formulas, the compiled memory at b, the largest batch that fits.
-    ``devices``: a GPU target's compile-only devices (None: this machine's)."""
+    ``devices``: a GPU target's compile-only devices (None: this machine's). ``accum``: ``accum_steps``
+    and ``accum_reduce`` (the latter where the strategy takes it)."""
     takes = options_of(name)
-    options = {k: v for k, v in (("mesh_shape", mesh_shape), ("staleness", staleness)) if k in takes}
+    accum = dict(accum or {})
+    options = {k: v for k, v in (("mesh_shape", mesh_shape), ("staleness", staleness),
+                                 ("accum_reduce", accum.get("accum_reduce", "each"))) if k in takes}
+    options["accum_steps"] = k_steps = accum.get("accum_steps", 1)
     strategy = build_strategy(name, make_mesh(n, devices=devices), net, optimizer, options)
     compiled = {}
 
@@ -137,12 +144,15 @@ def plan_strategy(name: str, mesh_shape, net, n: int, b: int, device_memory: flo
             compiled[batch] = step_memory(strategy, batch, image_size)
         return compiled[batch]["total_bytes"]
 
-    largest = largest_batch(total, b, device_memory, verify)  # compiles at b first: sets strategy.shapes
+    largest = largest_batch(total, b, device_memory, verify, multiple=k_steps)  # compiles at b first: sets shapes
     formulas = strategy_formulas(strategy)
     state = formulas["formula_padded"]
+    formula_total = model_state_bytes(state) + state["grads"] + state["unsharded_grads"]
     return {"strategy": name, "mesh_shape": mesh_shape, "psi": formulas["psi"],
             "state_bytes": model_state_bytes(state), "grads_bytes": state["grads"],
-            "memory": compiled[b], "fits": compiled[b]["total_bytes"] <= device_memory, **largest,
+            "unsharded_grads_bytes": state["unsharded_grads"],
+            "memory": compiled[b], "fits": compiled[b]["total_bytes"] <= device_memory and formula_total <= device_memory,
+            **largest,
             "traffic_bytes": formulas["traffic_formula_bytes"] or 0.0}
 
 
@@ -167,19 +177,21 @@ def with_total(memory: dict) -> dict:
                 + memory["temp_bytes"])
 
 
-def largest_batch(total: Callable[[int], int], b: int, capacity: float, verify: bool = True) -> dict:
-    """The largest per-device batch whose ``total(batch)`` bytes fit in ``capacity``, from the line
-    through ``total(b)`` and ``total(2b)``; with ``verify``, ``total`` at the answer checks it."""
+def largest_batch(total: Callable[[int], int], b: int, capacity: float, verify: bool = True,
+                  multiple: int = 1) -> dict:
+    """The largest per-device batch (a ``multiple`` of the micro-batches) whose ``total(batch)`` bytes fit
+    in ``capacity``, from the line through ``total(b)`` and ``total(2b)``; with ``verify``, ``total`` at
+    the answer checks it."""
     points = {b: total(b), 2 * b: total(2 * b)}
     for _ in range(3):  # small batches may fit in buffers XLA reuses anyway: go on until memory grows
         if _line(points)[0] > 0 or max(points) >= MAX_BATCH:
             break
         points[2 * max(points)] = total(2 * max(points))
-    guess = _on_line(points, capacity)
+    guess = _on_line(points, capacity) // multiple * multiple
     if verify and guess > 0 and guess not in points:
         points[guess] = total(guess)
         if points[guess] > capacity:  # not quite linear: once more through the two largest points
-            guess = min(_on_line(points, capacity), guess - 1)
+            guess = min(_on_line(points, capacity), guess - 1) // multiple * multiple
             if guess > 0 and guess not in points:
                 points[guess] = total(guess)
     slope, fixed = _line(points)

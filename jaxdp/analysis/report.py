@@ -49,6 +49,9 @@ def format_report(r: dict) -> str:
         m, f, fp = s["measured"][part], s["formula"][part], s["formula_padded"][part]
         ratio = f"{m / f:.4f}" if m is not None and f else "-"
         lines.append(f"{label:<22}{_mb(m):>16}{_mb(f):>16}{_mb(fp):>18}{ratio:>14}")
+    if s["formula"].get("unsharded_grads"):  # accum_reduce once: the gradients summed whole over micro-batches
+        lines.append(f"{'unsharded grads *':<22}{'':>16}{_mb(s['formula']['unsharded_grads']):>16}"
+                     f"{_mb(s['formula_padded']['unsharded_grads']):>18}")
     scalars = s["measured"]["opt_scalars"]
     lines.append(f"{'':<22}(+ {scalars} B of optimizer step counts, replicated)")
     lines.append("* grads live only inside the step: traced per-device shapes, not live arrays")

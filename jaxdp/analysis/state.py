@@ -181,13 +181,18 @@ def extra_formula(strategy, params, p: int) -> int:
     return p * psi * strategy.options.staleness
 
 
-def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int, extra: int = 0) -> dict:
-    """The ZeRO table: exact (Ψ/N) and with this layout's padding (Ψ_pad/N)."""
+def formula_bytes(name: str, psi: int, psi_pad: int, shards: int, p: int, k: int, extra: int = 0,
+                  unsharded_grads: bool = False) -> dict:
+    """The ZeRO table: exact (Ψ/N) and with this layout's padding (Ψ_pad/N). ``unsharded_grads``
+    (zero3/hsdp with ``accum_reduce="once"``): the gradients summed whole over the micro-batches, pΨ
+    more inside the step (``"unsharded_grads"``; 0 otherwise)."""
     sharded = facts(name).sharded
     per_param = {"params": p, "grads": p, "opt": k}
     exact = {part: b * psi / shards if part in sharded else b * psi for part, b in per_param.items()}
     padded = {part: b * psi_pad // shards if part in sharded else b * psi for part, b in per_param.items()}
-    return {"exact": {**exact, "extra": extra}, "padded": {**padded, "extra": extra}}
+    whole = p * psi if unsharded_grads else 0
+    return {"exact": {**exact, "extra": extra, "unsharded_grads": whole},
+            "padded": {**padded, "extra": extra, "unsharded_grads": whole}}
 
 
 def powersgd_traffic_formula(strategy, params, n: int, p: int) -> float:
@@ -236,7 +241,9 @@ def strategy_formulas(strategy) -> dict:
     root_pad = padded_count(root, shards) if root is not None else None
     per_param = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(strategy.tx.init, params)) if x.ndim]
     k = int(round(sum(x.size * x.dtype.itemsize for x in per_param) / psi))
-    formula = formula_bytes(strategy.facts.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p))
+    unsharded = strategy.sharded_params and getattr(strategy.options, "accum_reduce", "each") == "once"
+    formula = formula_bytes(strategy.facts.name, psi, psi_pad, shards, p, k, extra_formula(strategy, params, p),
+                            unsharded)
     names = strategy.mesh.axis_names
     mesh_shape = (strategy.mesh.shape[REPLICA_AXIS], strategy.mesh.shape[DATA_AXIS]) if REPLICA_AXIS in names else None
     return {"mesh_shape": mesh_shape, "psi": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(strategy.shapes))),

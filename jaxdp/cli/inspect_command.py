@@ -49,6 +49,8 @@ def add_inspect_args(p) -> None:
     add_model_args(p)
     p.add_argument("--batch-per-device", type=int, default=None,
                    help="images per device per step (default 1; with --trainer, its example batch's rows per device)")
+    p.add_argument("--accum-steps", type=at_least_one, default=1,
+                   help="micro-batches per update: the step compiled accumulating (each device's batch split)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="model-state bytes only (no compiled memory or HLO)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -118,8 +120,10 @@ def run(args) -> int:
     from jaxdp.models import ModelError
     from jaxdp.strategies import StrategyError
 
-    parsed = dict(target=target, mesh=mesh,  # the options the flags spell otherwise; the rest by their names
-                  options={k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None},
+    options = {k: getattr(args, k) for k in STRATEGY_OPTIONS if getattr(args, k) is not None}
+    if args.accum_steps != 1:
+        options["accum_steps"] = args.accum_steps
+    parsed = dict(target=target, mesh=mesh, options=options,  # the options the flags spell otherwise; the rest by name
                   vit={k: getattr(args, k) for k in VIT_SIZES if getattr(args, k) is not None})
     how = InspectOptions(**parsed, **{f.name: getattr(args, f.name) for f in dataclasses.fields(InspectOptions)
                                       if f.name not in parsed and hasattr(args, f.name)})

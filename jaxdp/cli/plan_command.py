@@ -12,6 +12,7 @@ import os
 import re
 
 from jaxdp import registry
+from jaxdp.config import choices
 from jaxdp.cli.commands import Command, CommandError
 from jaxdp.cli.inspect_command import add_model_args, add_target_flags, at_least_one, target_of
 from jaxdp.runtime.target import Target, TargetError
@@ -39,6 +40,10 @@ def add_plan_args(p) -> None:
     p.add_argument("--strategies", type=lambda text: tuple(text.split(",")), default=None,
                    help=f"a subset of {','.join(registry.names(planned=True))} (default: all)")
     p.add_argument("--staleness", type=int, default=1, help="async's staleness bound k")
+    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per update (each device's batch split)")
+    p.add_argument("--accum-reduce", default="each", metavar=choices.listing(choices.ACCUM_REDUCES),
+                   help="zero3, hsdp: reduce-scatter each micro-batch, or once per update (the unsharded "
+                        "gradients, pΨ more per device)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the third compile that checks the largest batch")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -55,7 +60,8 @@ def run(args) -> int:
         result = plan(args.model, args.devices, args.device_memory, args.global_batch_size, width=args.width,
                       blocks=args.blocks, stem=args.stem, optimizer=args.optimizer, dtype=args.dtype,
                       image_size=args.image_size, strategies=args.strategies, staleness=args.staleness,
-                      verify=args.verify, target=target)
+                      verify=args.verify, target=target, accum_steps=args.accum_steps,
+                      accum_reduce=args.accum_reduce)
     except (PlanError, InspectError, TargetError) as e:
         raise CommandError(str(e)) from None
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

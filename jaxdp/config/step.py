@@ -61,6 +61,17 @@ class StrategyOptions:
                                 "memory); none = keep its activations, gather its params again (FSDP2's default)",
                         numbers=False, choices=choices.REMATS, strategy_option=True, parity="jax-only", inspect=True,
                         hint=" (what an FSDP unit keeps for backward)")
+    # FSDP2's MixedPrecisionPolicy(reduce_dtype=...): both sides take it.
+    reduce_dtype: Optional[str] = option(
+        None, "zero3, hsdp: the dtype gradients are reduce-scattered (and all-reduced across replicas) in "
+              "(default: the params' own, float32 under --dtype bfloat16; bfloat16 halves the bytes)",
+        numbers=True, choices=choices.REDUCE_DTYPES, strategy_option=True, parity="paired", inspect=True)
+    # FSDP2's set_requires_gradient_sync(False) until the last micro-batch, which torch_ref's twin always does.
+    accum_reduce: str = option(
+        "each", "zero3, hsdp with --accum-steps K: each = reduce-scatter every micro-batch (gradients stay "
+                "sharded); once = sum the unsharded gradients (4 bytes per param more per device) and "
+                "reduce-scatter once per update", numbers=True, choices=choices.ACCUM_REDUCES,
+        strategy_option=True, parity="jax-only", inspect=True, hint=" (when ZeRO-3 reduce-scatters under accumulation)")
 
     # (a class attribute, not a field: the options a strategy may take, beside strategy, accum_steps, sync_bn)
     STRATEGY_OPTIONS = ()

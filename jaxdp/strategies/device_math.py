@@ -15,12 +15,15 @@ from jaxdp.loss.reductions import device_index  # noqa: F401 (the loss layer's: 
 from jaxdp.strategies.errors import StrategyError
 
 
-def local_grads(loss_fn: Callable, params, model_state, batch, rng, accum_steps: int = 1):
+def local_grads(loss_fn: Callable, params, model_state, batch, rng, accum_steps: int = 1, grad_at=None):
     """Forward/backward on this device's batch, accumulated over micro-batches.
 
     Mirrors torch's ``no_sync`` loop: each micro-batch's loss is scaled by 1/K, gradients
     are summed locally (the first one is taken as is, like a fresh ``.grad``), and the
     model state (BN running stats) is threaded through the micro-steps.
+    ``grad_at``: ``(zeros, put)``: the gradient is taken at ``zeros()`` (made in each micro-step, so
+    the compiler sees zeros), which ``put(params, zeros)`` hands the loss beside the params (ZeRO-3's
+    unsharded gradients); None: at the params.
     Returns (mean micro-batch loss, summed grads, new model_state, mean metrics).
     """
 
@@ -29,7 +32,11 @@ def local_grads(loss_fn: Callable, params, model_state, batch, rng, accum_steps:
             loss, (new_ms, metrics) = reductions.micro_batch_loss(loss_fn, p, ms, b, key)
             return loss / accum_steps, (loss, new_ms, metrics)
 
-        grads, (loss, ms, metrics) = jax.grad(scaled, has_aux=True)(p)
+        if grad_at is None:
+            grads, (loss, ms, metrics) = jax.grad(scaled, has_aux=True)(p)
+        else:
+            zeros, put = grad_at
+            grads, (loss, ms, metrics) = jax.grad(lambda z: scaled(put(p, z)), has_aux=True)(zeros())
         return grads, ms, loss, metrics
 
     size = tasks.batch_size(batch)

@@ -112,6 +112,48 @@ def gather(chunk, shape: Sequence[int], axis, n: int, to: str = "varying"):
     return unpad(jax.lax.all_gather(chunk, axis, axis=d, tiled=True, to=to), shape)
 
 
+def gather_as(chunk, shape: Sequence[int], axis, n: int, dtype=None, reduce_dtype=None):
+    """``gather`` (to="varying") moving ``dtype`` values: the chunk is cast before the all-gather and the
+    whole tensor cast back to the chunk's dtype after it, so only the values move narrower. A caller
+    that casts the tensor to ``dtype`` again gets the very values it got from the plain gather (the
+    cast is elementwise; the compiler folds the exact round trip), and its gradient is the same
+    program as before: the cotangent arrives in the chunk's dtype. The transpose reduce-scatters in
+    ``reduce_dtype`` (None: the chunk's dtype)."""
+    dtype = jnp.dtype(dtype or chunk.dtype)
+    reduce_dtype = jnp.dtype(reduce_dtype or chunk.dtype)
+    if shard_dim(shape, n) is None or dtype == reduce_dtype == chunk.dtype:
+        return gather(chunk, shape, axis, n)
+
+    @jax.custom_vjp
+    def gathered(c):
+        return gather(c.astype(dtype), shape, axis, n).astype(c.dtype)
+
+    def forward(c):
+        return gathered(c), c  # the chunk only for its type: the transpose reads no value of it
+
+    def backward(c, ct):
+        transpose = jax.linear_transpose(lambda x: gather(x, shape, axis, n), c.astype(reduce_dtype))
+        return (transpose(ct.astype(reduce_dtype))[0].astype(c.dtype),)
+
+    gathered.defvjp(forward, backward)
+    return gathered(chunk)
+
+
+def gather_unsharded_grad(chunk, unsharded, shape: Sequence[int], axis, n: int, dtype=None):
+    """``gather_as``'s tensor, whose gradient goes whole to ``unsharded`` (zeros of the full shape, in the
+    chunk's dtype) and none to the chunk: no reduce-scatter. ZeRO-3's ``accum_reduce="once"`` sums these
+    unsharded gradients over the micro-batches and reduce-scatters the sum once per update."""
+    @jax.custom_vjp
+    def seen_by(whole, value):
+        return value
+
+    def backward(_, ct):
+        return ct.astype(unsharded.dtype), jnp.zeros_like(ct)
+
+    seen_by.defvjp(lambda whole, value: (value, None), backward)
+    return seen_by(unsharded, gather_as(jax.lax.stop_gradient(chunk), shape, axis, n, dtype))
+
+
 def gather_group(chunks: Sequence, shapes: Sequence[Sequence[int]], axis, n: int, to: str = "invarying") -> List:
     """Whole tensors from chunks, the group moving as ONE all-gather (a DDP-sized bucket).
 

@@ -108,11 +108,13 @@ def handed_on(arrays, params):
 
 
 def forward(unit: Unit, chunks, state, arrays, anchors):
-    """Gather, apply, hand on: (((output, updated), the next unit's ``Lead``), ``done``, a zero made
-    from the output, which the last unit's re-gather waits for)."""
+    """Gather, apply, hand on: (((output, updated), the next unit's ``Lead``), ``done``, which the last
+    unit's re-gather waits for: the ``Lead``'s gather zero (the unit's input and gathered params), so
+    that it may overlap the unit's own forward, not only the head's few kernels)."""
     params = gathered(unit, chunks, anchors)
     out = unit.apply(params, state, arrays)
-    return (out, handed_on(arrays, params)), zero_of([first_float(out[0])])
+    handed = handed_on(arrays, params)
+    return (out, handed), handed[0]
 
 
 # ----------------------------------------------------------------------------- the backward re-gather
@@ -169,8 +171,8 @@ def keep_fwd(unit: Unit, chunks, state, arrays, anchors):
     params = gathered(unit, chunks, anchors)
     out, pullback, updated = jax.vjp(lambda p, xs: unit.apply(p, state, xs), params, arrays, has_aux=True)
     saved = WithoutParams.of(pullback, params)
-    done = zero_of([first_float(out)])
-    return ((out, updated), handed_on(arrays, params)), (chunks, state, saved, anchors, done)
+    handed = handed_on(arrays, params)
+    return ((out, updated), handed), (chunks, state, saved, anchors, handed[0])
 
 
 def keep_bwd(unit: Unit, residuals, dy, d_anchors, taken: bool):

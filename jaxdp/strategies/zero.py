@@ -41,13 +41,17 @@ transform that reduces over whole tensors would see only a chunk, so it is refus
 import dataclasses
 import functools
 
+from typing import Any, NamedTuple
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, MeshDims, MeshError
-from jaxdp.strategies import ddp, layout
+from jaxdp.parallel.protocol import varying_axes
+from jaxdp.strategies import casts, ddp, layout
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.errors import StrategyError
@@ -68,7 +72,18 @@ REASONS = {
     "bucket_cap_mb": "bucket_cap_mb sizes all-reduce/reduce-scatter buckets; zero{stage} moves params and grads per "
                      "FSDP unit",
     "mesh_shape": "mesh_shape is hsdp's (replicas, shards)",
+    "reduce_dtype": "reduce_dtype is ZeRO-3's, whose gradients leave the gathers' transposes; zero{stage} reduces "
+                    "them as its params' dtype",
+    "accum_reduce": "accum_reduce is ZeRO-3's choice under accumulation; zero{stage} reduces once per update already",
 }
+SHARDED = frozenset({"units", "remat", "reduce_dtype", "accum_reduce"})  # ZeRO-3's own options
+
+
+class Unsharded(NamedTuple):
+    """What ``accum_reduce="once"``'s loss takes: the param chunks, and zeros of the full shapes that
+    take their gradient whole (None in a forward-only pass)."""
+    chunks: Any
+    unsharded: Any
 
 
 def why_not(stage: int, takes) -> dict:
@@ -86,7 +101,7 @@ ZERO2 = dataclasses.replace(
     takes=frozenset({"bucket_cap_mb"}), why_not=why_not(2, {"bucket_cap_mb"}))  # no all-reduce to hook
 ZERO3 = dataclasses.replace(
     ZERO2, name="zero3", twin="FSDP2 fully_shard(reshard_after_forward=True)",
-    sharded=("params", "grads", "opt"), takes=frozenset({"units", "remat"}), why_not=why_not(3, {"units", "remat"}),
+    sharded=("params", "grads", "opt"), takes=SHARDED, why_not=why_not(3, SHARDED),
     traffic=lambda s: (s.n - 1) / s.n * s.p * (3 * s.psi_pad - s.root_pad),  # units gathered twice, the root once
     traffic_text="(3Ψ_pad - Ψ_root)p(N-1)/N")  # units, not buckets
 STAGES = {1: ZERO1, 2: ZERO2, 3: ZERO3}
@@ -130,8 +145,13 @@ class ZeRO(Strategy):
                                 "params are one vector, gathered whole: drop units")
         refuse_with_tensor_parallel(self, o.allreduce, o.compress)
         self.limits = bucket_limits(o.bucket_cap_mb)  # the params' all-gather and zero2's reduce-scatter buckets
+        if o.accum_reduce == "once" and self.pp is not None:
+            raise StrategyError("accum_reduce once keeps each FSDP unit's unsharded gradient; on pipeline stages "
+                                "there are no units: drop it")
+        self.reduce_dtype = jnp.dtype(o.reduce_dtype) if o.reduce_dtype else None  # None: the params' own
         self.sync = (AllReduce.of(o, powersgd_options) if stage == 1
-                     else ReduceScatter() if stage == 2 else GatherOnUse(REPLICA_AXIS if hsdp else None))
+                     else ReduceScatter() if stage == 2 else GatherOnUse(REPLICA_AXIS if hsdp else None,
+                                                                         self.reduce_dtype))
         self.check_vma = o.allreduce != "ring"
         self.units = units_for(model, units)  # Linen's or an NNX model's (nnx_units.py)
         self.task, self.eval_task = self.units.prepared(self.task), self.units.prepared(self.eval_task)
@@ -156,9 +176,16 @@ class ZeRO(Strategy):
         whole = not self.sharded_params  # stages 1 and 2 hold the params whole; stage 3 and HSDP as chunks
         task = self.step_task()
         loss_fn = task.loss_fn if whole else self.gathering_loss(task, lambda t: t.loss_fn)
+        params = self.differentiated(state.params)
+        once = not whole and self.options.accum_reduce == "once"
+        if once:
+            self.refuse_unless_unsharded_fits(state)
         loss, grads, model_state, metrics = local_grads(
-            loss_fn, self.differentiated(state.params), state.model_state, batch, self.step_key(state.step),
-            self.options.accum_steps)
+            loss_fn, Unsharded(params, None) if once else params, state.model_state, batch,
+            self.step_key(state.step), self.options.accum_steps,
+            grad_at=(lambda: self.unsharded_zeros(params), lambda p, z: Unsharded(p.chunks, z)) if once else None)
+        if once:
+            grads = self.scatter_unit_by_unit(grads)
         grads, extra = self.chunk_of_average(grads, state)
         my_params = self.my_chunks(state.params) if whole else state.params
         updates, opt_state = self.tx.update(grads, state.opt_state, my_params)
@@ -195,32 +222,95 @@ class ZeRO(Strategy):
         evaluating = self.gathering_loss(self.eval_task, lambda t: lambda p, ms, b, _: t.eval_fn(p, ms, b))
         return evaluating(state.params, state.model_state, batch, None)
 
+    def refuse_unless_unsharded_fits(self, state):
+        """One line if ``accum_reduce="once"`` does not fit the device by the formula: the state a device
+        keeps (params and optimizer chunks), its gradient chunk, and the unsharded gradients, pΨ
+        (``unsharded_grad_bytes``). Devices that report no limit (the CPU backend) are not checked."""
+        capacity = memory_limit(self.mesh.devices.flat[0])
+        if capacity is None:
+            return
+        kept = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves((state.params, state.opt_state)))
+        chunk = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state.params))
+        needed = kept + chunk + unsharded_grad_bytes(self.local_shapes)
+        if needed > capacity:
+            raise StrategyError(f"accum_reduce once needs {needed / 2**30:.2f} GiB per device for the model state "
+                                f"and the unsharded gradients, the device has {capacity / 2**30:.2f} GiB: use "
+                                "accum_reduce each (the default)")
+
+    def unsharded_zeros(self, chunks):
+        """Zeros of every param's full shape, varying where its gathered tensor varies: what
+        ``accum_reduce="once"`` takes the gradient at (``layout.gather_unsharded_grad``)."""
+        def zeros(c, s):
+            axes = set(varying_axes(c)) | ({self.axis} if layout.shard_dim(s.shape, self.shards) is not None else set())
+            return jax.lax.pcast(jnp.zeros(s.shape, c.dtype), tuple(sorted(axes)), to="varying") if axes else \
+                jnp.zeros(s.shape, c.dtype)
+        return jax.tree_util.tree_map(zeros, chunks, self.local_shapes)
+
+    def scatter_unit_by_unit(self, grads):
+        """The summed unsharded gradients reduce-scattered (summed) to this device's chunks in
+        ``reduce_dtype``: one reduce-scatter per FSDP unit, the last unit's first, then the root's."""
+        groups = self.unit_groups()
+        dtype = self.reduce_dtype
+
+        def scatter(gs):
+            out = layout.scatter_group([g.astype(dtype or g.dtype) for g in gs], self.axis, self.shards)
+            return [o.astype(g.dtype) for o, g in zip(out, gs)]
+        return layout.map_groups(scatter, grads, groups)
+
+    def unit_groups(self):
+        """Leaf indices of the params, one group per FSDP unit (backward's order: the last unit
+        first), the root's last."""
+        paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.local_shapes)]
+        units = list(reversed(self.unit_paths or []))
+        owner = [next((i for i, u in enumerate(units) if path[:len(u)] == u), len(units)) for path in paths]
+        return [g for g in ([i for i, o in enumerate(owner) if o == k] for k in range(len(units) + 1)) if g]
+
     # -- collectives ------------------------------------------------------------------------------
     def gathering_loss(self, task, loss_of):
         """``loss_of(task)``, a loss function, on param chunks: the root unit gathered up front, every
-        unit on use (``units.py``)."""
+        unit on use (``units.py``).
+
+        Each param is gathered in the dtype the loss casts it to (``casts.single_casts``: bfloat16 under
+        bfloat16 compute, the norm layers' params as they are), and its gradient reduce-scattered in
+        ``reduce_dtype``. ``params`` may be ``(chunks, unsharded)`` (``accum_reduce="once"``): then the
+        gradient goes whole to ``unsharded``, zeros of the full shapes, and nothing is reduce-scattered."""
         axis, n, shapes = self.axis, self.shards, self.local_shapes  # one model slice of each param
+        reduce_dtype, cast_to = self.reduce_dtype, []  # cast_to: per leaf, read from the loss on first use
 
-        def gather_tree(chunks, full):
-            return jax.tree_util.tree_map(lambda c, s: layout.gather(c, s.shape, axis, n), chunks, full)
+        def gather_leaf(c, s, dtype, unsharded=None):
+            if unsharded is None:
+                return layout.gather_as(c, s.shape, axis, n, dtype, reduce_dtype)
+            return layout.gather_unsharded_grad(c, unsharded, s.shape, axis, n, dtype)
 
-        def gather_unit(leads, module, call, variables, mutable, args, kwargs):
-            full = shapes
+        def gather_tree(chunks, full, dtypes, unsharded):
+            if unsharded is None:
+                return jax.tree_util.tree_map(gather_leaf, chunks, full, dtypes)
+            return jax.tree_util.tree_map(gather_leaf, chunks, full, dtypes, unsharded)
+
+        def gather_unit(leads, unsharded, module, call, variables, mutable, args, kwargs):
+            full, dtypes, mine = shapes, cast_to[0], unsharded
             for k in module.path:
-                full = full[k]
+                full, dtypes, mine = full[k], dtypes[k], None if mine is None else mine[k]
             state = {c: v for c, v in variables.items() if c != "params"}
+            chunks = variables["params"] if mine is None else (variables["params"], mine)
+            gather = (lambda c: gather_tree(c, full, dtypes, None)) if mine is None else \
+                (lambda pair: gather_tree(pair[0], full, dtypes, pair[1]))
             # Each unit's collectives wait for the previous unit's Lead: one unit ahead (units.Lead).
-            out, updated, lead = self.run_unit(call, lambda c: gather_tree(c, full), variables["params"], state, args,
-                                               kwargs, mutable, lead=leads[-1])
+            out, updated, lead = self.run_unit(call, gather, chunks, state, args, kwargs, mutable, lead=leads[-1])
             leads.append(lead)
             return out, updated
 
-        def run(chunks, model_state, batch, key):
-            def root_gather(path, c, s):
-                return c if in_unit(leaf_path(path), self.unit_paths) else layout.gather(c, s.shape, axis, n)
-            params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes)
+        def run(params, model_state, batch, key):
+            chunks, unsharded = params if isinstance(params, Unsharded) else (params, None)
+            if not cast_to:
+                cast_to.append(casts.single_casts(loss_of(task), shapes, model_state, batch, key))
+
+            def root_gather(path, c, s, dtype, *whole):
+                return c if in_unit(leaf_path(path), self.unit_paths) else gather_leaf(c, s, dtype, *whole)
+            params = jax.tree_util.tree_map_with_path(root_gather, chunks, shapes, cast_to[0],
+                                                      *(() if unsharded is None else (unsharded,)))
             leads = [Lead.of_root()]  # then each unit's, in order
-            with self.units.on_use(task, functools.partial(gather_unit, leads)) as gathering:
+            with self.units.on_use(task, functools.partial(gather_unit, leads, unsharded)) as gathering:
                 return loss_of(gathering)(params, model_state, batch, key)
         return run
 
@@ -237,6 +327,20 @@ class ZeRO(Strategy):
     def bucket_groups(self):
         """DDP's buckets (reverse definition order, torch's sizes) as groups of leaf indices."""
         return bucket_groups(self.local_shapes, self.param_order, self.limits, self.model_split)
+
+def unsharded_grad_bytes(shapes) -> int:
+    """pΨ: what ``accum_reduce="once"`` adds per device, every param's gradient whole."""
+    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree_util.tree_leaves(shapes)))
+
+
+def memory_limit(device):
+    """The bytes a device's allocator may use, None where it reports none (the CPU backend, compile-only GPUs)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # compile-only devices have no allocator to ask
+        return None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
 
 def default_hsdp_shape(devices) -> tuple:
     """(replicas, shards) for these devices when the user names none: one shard group per host

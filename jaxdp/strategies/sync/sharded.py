@@ -27,12 +27,18 @@ class ReduceScatter(Stateless):
 
 
 class GatherOnUse(Stateless):
-    def __init__(self, replica_axis=None):
+    def __init__(self, replica_axis=None, reduce_dtype=None):
         self.replica_axis = replica_axis  # HSDP's: the chunks are summed across the replicas
+        self.reduce_dtype = reduce_dtype  # ... in this dtype (None: the gradients' own), as FSDP2's reduce_dtype
 
     def update(self, grads, state, where: Where):
         grads = jax.tree_util.tree_map(lambda g: g / where.n, grads)
-        return (jax.lax.psum(grads, self.replica_axis) if self.replica_axis else grads), state
+        if not self.replica_axis:
+            return grads, state
+        if self.reduce_dtype is None:
+            return jax.lax.psum(grads, self.replica_axis), state
+        return jax.tree_util.tree_map(
+            lambda g: jax.lax.psum(g.astype(self.reduce_dtype), self.replica_axis).astype(g.dtype), grads), state
 
 
 def all_gather(chunks, shapes, groups, axis, shards: int):
