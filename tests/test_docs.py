@@ -378,3 +378,42 @@ def test_readme_api_example_runs(tmp_path, monkeypatch):
     variables = jax.jit(linen.model.init)(jax.random.key(0), batch["tokens"][:, :-1])
     loss, (model_state, metrics) = jax.jit(namespace["loss_fn"])(variables["params"], {}, batch, None)
     assert np.isfinite(float(loss)) and model_state == {} and metrics == {}
+
+
+# ----------------------------------------------------------------------------- standing alone
+
+SKIPPED_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", "runs", "data", "out", "build", "node_modules"}
+
+
+def citations(name, root=ROOT):
+    """``path:line`` of every text file under ``root`` whose line names the file ``name``."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info"))
+        for file in sorted(files):
+            path = os.path.join(folder, file)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    lines = f.readlines()
+            except (UnicodeDecodeError, OSError):
+                continue  # binary (a png), or unreadable: cites nothing
+            found += [f"{os.path.relpath(path, root)}:{n}" for n, line in enumerate(lines, 1) if name in line]
+    return found
+
+
+def test_the_repository_cites_no_design_file_it_does_not_hold():
+    """A clone holds everything its code and docs cite: the design notes live in docs/design-notes.md.
+    (The name is spelt in two halves, so that this file does not cite it.)"""
+    name = "DESIGN" + ".md"
+    if os.path.exists(os.path.join(ROOT, name)):
+        return
+    offenders = citations(name)
+    assert not offenders, (f"{len(offenders)} line(s) cite {name}, which the repository does not hold (point to "
+                           f"docs/design-notes.md instead): " + ", ".join(offenders))
+
+
+def test_the_citation_check_finds_a_citation(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n# see " + "DESIGN" + ".md section 3\n")
+    (tmp_path / "pic.png").write_bytes(b"\x89PNG\xff\xfe")
+    assert citations("DESIGN" + ".md", str(tmp_path)) == [os.path.join("pkg", "a.py") + ":2"]

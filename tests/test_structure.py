@@ -237,7 +237,7 @@ JAX_FREE = {
     "torch_commands.gpu_check.command": "gpu-check sets $JAX_PLATFORMS and XLA's flags before jax starts",
     "torch_ref.train": "the torch ranks start without jax (torch_ref's docstring)",
     "torch_ref.step_api": "the parity harness's torch ranks",
-    "jaxdp.data": "numpy only: jaxdp and torch_ref read the same batches (DESIGN.md)",
+    "jaxdp.data": "numpy only: jaxdp and torch_ref read the same batches (docs/design-notes.md)",
 }
 JAX_SIDE = ("jax", "jaxlib", "flax", "optax", "orbax")
 # Optional dependencies, imported only where they are used, so that jaxdp runs without them.
