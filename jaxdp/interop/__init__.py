@@ -24,7 +24,7 @@ from jaxdp.interop.builtin import (
     tree_to_torch_names,
     variables_from_state_dict,
 )
-from jaxdp.interop.convert import load_torch_weights, torch_state_dict
+from jaxdp.interop.convert import load_torch_weights, torch_state_dict, trace_linen
 from jaxdp.interop.correspondence import Correspondence, CorrespondenceError, Key, Link, flatten
 from jaxdp.interop.layouts import LAYOUTS, Layout, as_numpy
 from jaxdp.interop.matching import derive
@@ -48,6 +48,7 @@ __all__ = [
     "spellings",
     "state_dict_from_variables",
     "torch_state_dict",
+    "trace_linen",
     "tree_from_torch_names",
     "tree_to_torch_names",
     "variables_from_state_dict",

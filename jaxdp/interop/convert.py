@@ -1,17 +1,20 @@
 """Torch weights into a Flax model and back, in one call each: the correspondence derived
 (``matching.derive``) and applied, for a Linen model's variables or an NNX module.
 
-A Linen model is given by its variables (``model.init(...)`` or ``jax.eval_shape`` of it): the
-result is new variables, numpy arrays, for ``model.apply``. An NNX module is given itself: the
+A Linen model is given by its variables (``model.init(...)`` or ``jax.eval_shape`` of it; with
+``trace_linen`` the classes of its modules too): the result is new variables, numpy arrays, for
+``model.apply``. An NNX module is given itself: the
 result is a copy of it holding the torch weights (its ``nnx.Param``s and ``nnx.BatchStat``s; its
 rng state stays its own), and its submodules' classes tell a square 2-D weight's layout. Each
-loaded array takes the dtype of the Flax variable it replaces.
+loaded array takes the dtype of the Flax variable it replaces, or ``dtype`` if given.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Sequence
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -25,7 +28,7 @@ WEIGHTS = ("params", "batch_stats")  # an NNX module's collections that hold wei
 
 
 def load_torch_weights(torch_model, flax, state_dict: Optional[Mapping[str, Any]] = None, override=None,
-                       flax_classes: Optional[Mapping[Sequence[str], type]] = None):
+                       flax_classes: Optional[Mapping[Sequence[str], type]] = None, dtype=None):
     """``torch_model``'s weights (or ``state_dict``'s, by its names) in ``flax``: a Linen model's
     variables -> new variables; an ``nnx.Module`` -> a copy of it holding them.
     ``override``/``flax_classes``: as ``derive`` takes them. ``CorrespondenceError`` in one
@@ -36,10 +39,10 @@ def load_torch_weights(torch_model, flax, state_dict: Optional[Mapping[str, Any]
         own = parts.variables()
         weights = {k: v for k, v in own.items() if k in WEIGHTS}
         corr = derive(torch_model, weights, override, flax_classes or module_classes(flax))
-        loaded = _like(corr.to_flax(state_dict), weights)
+        loaded = _like(corr.to_flax(state_dict, dtype), weights, dtype)
         return parts.merge({**own, **{k: _as_jax(v) for k, v in loaded.items()}})
     corr = derive(torch_model, flax, override, flax_classes)
-    return _like(corr.to_flax(state_dict), flax)
+    return _like(corr.to_flax(state_dict, dtype), flax, dtype)
 
 
 def torch_state_dict(torch_model, flax, override=None,
@@ -66,13 +69,30 @@ def complete(corr: Correspondence, torch_own: Mapping[str, Any], converted: Mapp
     return out
 
 
+def trace_linen(model: nn.Module, *args, **kwargs):
+    """(a Linen model's variables as ``ShapeDtypeStruct``s, the class of the module at each path):
+    its ``init`` on these inputs traced, nothing computed."""
+    classes: Dict[tuple, type] = {}
+
+    def record(next_fun, a, kw, ctx):
+        classes.setdefault(tuple(ctx.module.path), type(ctx.module))
+        return next_fun(*a, **kw)
+
+    with nn.intercept_methods(record):
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+    return shapes, classes
+
+
 def module_classes(module) -> Dict[tuple, type]:
     """The class of an NNX module's submodule at each attribute path (a square weight's layout)."""
     return {tuple(map(str, path)): type(node) for path, node in nnx.iter_graph(module) if isinstance(node, nnx.Module)}
 
 
-def _like(loaded: Dict[str, Any], target: Mapping[str, Any]) -> Dict[str, Any]:
-    """``loaded`` with each array in the dtype of the target's variable at its key."""
+def _like(loaded: Dict[str, Any], target: Mapping[str, Any], dtype=None) -> Dict[str, Any]:
+    """``loaded`` with each array in the dtype of the target's variable at its key (``dtype`` given:
+    those that ``to_flax`` cast to it stay so)."""
+    if dtype is not None:
+        return loaded
     dtypes = {key: np.dtype(getattr(v, "dtype", np.asarray(v).dtype)) for key, v in flatten(target).items()}
 
     def cast(tree, path):

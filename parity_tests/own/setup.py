@@ -20,7 +20,7 @@ from parity_tests.own import bugs, nnx_pair
 from parity_tests.own.config import PairRun
 from jaxdp.models.errors import key_listing
 from jaxdp.interop import Correspondence, as_numpy
-from jaxdp.interop.convert import complete, module_classes
+from jaxdp.interop.convert import complete, module_classes, trace_linen
 from parity_tests.own.correspondence import check_round_trip, check_units, derive
 from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch, pair_loss
 from parity_tests.own.pair import Factory, ModelPair, PairError
@@ -73,21 +73,13 @@ def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None) -> Setup:
 
 def _flax_shapes(pair: ModelPair, model, example):
     """The Flax variables' shapes, and the class of the module at each path (``jaxdp.interop.derive``)."""
-    import flax.linen as nn
     import jax
 
     if nnx_pair.is_nnx(model):
         return jax.eval_shape(lambda: nnx_pair.variables(model)), module_classes(model)
     args, kwargs = pair.arguments("flax", example)
-    classes: Dict[tuple, type] = {}
-
-    def record(next_fun, a, kw, ctx):
-        classes.setdefault(tuple(ctx.module.path), type(ctx.module))
-        return next_fun(*a, **kw)
-
-    with nn.intercept_methods(record), user_code("the Flax model's init on flax_inputs(batch)"):
-        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
-    return shapes, classes
+    with user_code("the Flax model's init on flax_inputs(batch)"):
+        return trace_linen(model, *args, **kwargs)
 
 
 @contextlib.contextmanager
