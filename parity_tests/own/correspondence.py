@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from jaxdp.interop import LAYOUTS, Correspondence, Key, Layout, Link, as_numpy, normalized, spellings  # noqa: F401
+from jaxdp.interop import LAYOUTS, Correspondence, Key, Layout  # noqa: F401  (LAYOUTS, Layout: parity_tests.own's names)
 from jaxdp.interop import CorrespondenceError as ConverterError
 from jaxdp.interop import derive as derive_correspondence
 from jaxdp.interop.matching import Unmatched
