@@ -382,22 +382,36 @@ def test_readme_api_example_runs(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- standing alone
 
-SKIPPED_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", "runs", "data", "out", "build", "node_modules"}
+SKIPPED_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", "node_modules"}
+
+
+def repository_files(root=ROOT):
+    """The repository's files, tracked or not, less what .gitignore ignores (git's own list; without
+    git, a walk that skips the environments and caches)."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        return [os.path.join(root, p) for p in listed if p and os.path.isfile(os.path.join(root, p))]
+    except (OSError, subprocess.CalledProcessError):
+        found = []
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.startswith(".venv"))
+            found += [os.path.join(folder, f) for f in sorted(files)]
+        return found
 
 
 def citations(name, root=ROOT):
-    """``path:line`` of every text file under ``root`` whose line names the file ``name``."""
+    """``path:line`` of every text file of the repository at ``root`` whose line names the file ``name``."""
     found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info"))
-        for file in sorted(files):
-            path = os.path.join(folder, file)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    lines = f.readlines()
-            except (UnicodeDecodeError, OSError):
-                continue  # binary (a png), or unreadable: cites nothing
-            found += [f"{os.path.relpath(path, root)}:{n}" for n, line in enumerate(lines, 1) if name in line]
+    for path in repository_files(root):
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.readlines()
+        except (UnicodeDecodeError, OSError):
+            continue  # binary (a png), or unreadable: cites nothing
+        found += [f"{os.path.relpath(path, root)}:{n}" for n, line in enumerate(lines, 1) if name in line]
     return found
 
 
@@ -413,7 +427,15 @@ def test_the_repository_cites_no_design_file_it_does_not_hold():
 
 
 def test_the_citation_check_finds_a_citation(tmp_path):
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "a.py").write_text("x = 1\n# see " + "DESIGN" + ".md section 3\n")
+    (tmp_path / "pkg" / "data").mkdir(parents=True)
+    (tmp_path / "pkg" / "data" / "a.py").write_text("x = 1\n# see " + "DESIGN" + ".md section 3\n")
     (tmp_path / "pic.png").write_bytes(b"\x89PNG\xff\xfe")
-    assert citations("DESIGN" + ".md", str(tmp_path)) == [os.path.join("pkg", "a.py") + ":2"]
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "log.txt").write_text("DESIGN" + ".md\n")  # ignored, as .gitignore says
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    want = [os.path.join("pkg", "data", "a.py") + ":2"]
+    assert citations("DESIGN" + ".md", str(tmp_path)) == want + [os.path.join("runs", "log.txt") + ":1"]  # no git
+    import subprocess
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    assert citations("DESIGN" + ".md", str(tmp_path)) == want
