@@ -121,8 +121,8 @@ FLOAT64 = Bounds(
 # depends on the model: a ResNet-18 of width 16 with (2, 2, 2, 2) blocks at 16x16 crops
 # already has 2.4e-02 in its step-0 gradients and O(1) by step 2 (float64: 1.4e-14), a
 # BatchNorm over 2x2 maps amplifying rounding. So float32 bounds only what is stable:
-# every tensor at step 0 (bounds ~1000x the tiny model's noise, as the design notes
-# measured 5e-4 in a full ResNet-18's first conv), the loss at every step, and the loss
+# every tensor at step 0 (bounds ~1000x the tiny model's noise, as docs/design-notes.md
+# has it: 5e-4 in a full ResNet-18's first conv), the loss at every step, and the loss
 # curves. Whether a float32 difference is a bug is float64's question.
 FLOAT32 = Bounds(
     "float32",

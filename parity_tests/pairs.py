@@ -39,7 +39,7 @@ Jax- and torch-free at import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 from jaxdp import registry
 from jaxdp.config.step import StrategyOptions, options_where
@@ -61,7 +61,8 @@ class Pair:
     ``twin``: the torch twin in words. ``torch``: torch_ref strategy name, or a function
     ``(cfg, cuda_gpus) -> name`` when the twin depends on the hardware. ``options``: the
     ``PAIR_OPTIONS`` this pair accepts; others must stay at their defaults. ``check``: refuses
-    configurations with no twin (returns an error).
+    configurations with no twin (returns an error). ``jax_takes``: every option the jaxdp strategy
+    takes (``options_of``), so that a plan need not ask again.
     """
 
     twin: str
@@ -69,6 +70,7 @@ class Pair:
     options: Tuple[str, ...] = ()
     check: Optional[Callable[["ParityConfig"], Optional[str]]] = None
     note: str = ""
+    jax_takes: Tuple[str, ...] = ()
 
 
 
@@ -84,20 +86,31 @@ FALLBACK_NOTE = ("without N GPUs {twin} cannot split the batch, so the twin is {
                  "{twin}'s: per-chunk BN statistics, chunk/rank 0's running stats, gradients averaged over chunks")
 
 
-def pair_for(name: str) -> Pair:
-    """``name``'s row: its twin from its registry row and facts (``jaxdp.strategies.facts``); the
-    options both its jaxdp constructor (``options_of``) and its torch_ref twin (``Twin.options``) take."""
+def pair_for(strategy: Union[str, "registry.Row"]) -> Pair:
+    """A strategy's pair, from its registry row (or its name, looked up here): its twin from the row
+    and its facts (``jaxdp.strategies.facts``); the options both its jaxdp constructor
+    (``options_of``) and its torch_ref twin (``Twin.options``) take."""
     from jaxdp.strategies import facts, options_of
     from torch_ref.strategies import twin
 
-    f, row = facts(name), registry.row(name)
-    jax_takes, torch_takes = options_of(name), twin(row.torch_twin).options
+    row = registry.row(strategy) if isinstance(strategy, str) else strategy
+    f, jax_takes, torch_takes = facts(row.name), tuple(options_of(row.name)), twin(row.torch_twin).options
     options = tuple(n for n in PAIR_OPTIONS if n in jax_takes and (n in JAX_ONLY_OPTIONS or n in torch_takes))
     if row.twin_without_gpus:  # nn.DataParallel splits the batch over GPUs: without them, DDP
         fallback = row.twin_without_gpus
         return Pair(f"{f.twin} (>= N GPUs), else {fallback} on N ranks: the same math", _gpu_twin(row), options,
-                    note=FALLBACK_NOTE.format(twin=f.twin, fallback=fallback))
-    return Pair(f.twin, row.torch_twin, options, _twin_check(name, f.twin_when, f.twin) if f.twin_when else None)
+                    note=FALLBACK_NOTE.format(twin=f.twin, fallback=fallback), jax_takes=jax_takes)
+    check = _twin_check(row.name, f.twin_when, f.twin) if f.twin_when else None
+    return Pair(f.twin, row.torch_twin, options, check, jax_takes=jax_takes)
+
+
+def twin_row(name: str) -> Optional["registry.Row"]:
+    """``name``'s registry row if it is a registered strategy with a torch twin, else None."""
+    try:
+        row = registry.row(name)
+    except registry.UnknownStrategy:
+        return None
+    return row if row.torch_twin else None
 
 
 def _twin_check(name: str, twin_when: Mapping[str, Any], twin: str):

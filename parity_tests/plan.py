@@ -73,9 +73,7 @@ def plan(cfg: ParityConfig, gpus: Optional[int] = None) -> Plan:
         notes.append(f"jaxdp sums with allreduce={cfg.allreduce!r}; torch with the {'nccl' if cuda else 'gloo'} all-reduce")
     p = Plan(cfg, pair, torch_strategy, world, full_batch, jax_options, tcfg, cuda, notes, backend=backend)
     if cfg.compress == "powersgd":
-        from jaxdp.strategies import options_of
-
-        if "powersgd_options" not in options_of(cfg.strategy):  # the shared initial Q goes through it
+        if "powersgd_options" not in pair.jax_takes:  # the shared initial Q goes through it
             raise ParityError(f"--compress powersgd has no parity run for {cfg.strategy!r}: its PowerSGD "
                               "cannot be seeded with torch's initial Q (use ddp or zero1)")
         _plan_powersgd(p)
@@ -88,10 +86,11 @@ def plan(cfg: ParityConfig, gpus: Optional[int] = None) -> Plan:
 
 def _checked_pair(cfg: ParityConfig) -> Pair:
     """``cfg``'s pair, once every option is one it can run (ParityError, one line, if not)."""
-    if cfg.strategy not in pairs.PAIRS:
+    row = pairs.twin_row(cfg.strategy)
+    if row is None:
         raise ParityError(f"no torch twin registered for strategy {cfg.strategy!r}; pairs: "
                           f"{', '.join(pairs.PAIRS)} (its jaxdp.registry row names its torch_twin)")
-    pair = pair_for(cfg.strategy)
+    pair = pair_for(row)
     try:
         cfg.model_summary()  # an unknown model, or an option of the other family, is the user's
     except ValueError as e:
@@ -168,14 +167,12 @@ def _torch_backend(cfg: ParityConfig, pair: Pair, gpus: Optional[int] = None):
     from torch_ref.dist import BackendError, resolve_backend
 
     gpus = cuda_gpus() if gpus is None else gpus
-    try:
-        if resolve_backend(cfg.backend, 1 if gpus else cfg.devices, gpus=gpus) == "gloo":  # asked for, or no GPU
-            gpus = 0
-        side = torch_layout(cfg, pair, gpus)
-        backend = resolve_backend(cfg.backend, side[1], gpus=gpus) if gpus else "gloo"
+    side = torch_layout(cfg, pair, gpus)
+    try:  # the ranks the twin needs with these GPUs; without any, every rank of the run on the CPU
+        backend = resolve_backend(cfg.backend, side[1] if gpus else cfg.devices, gpus=gpus)
     except BackendError as e:
         raise ParityError(str(e)) from None
-    if backend == "gloo" and gpus:  # auto with fewer GPUs than ranks: the CPU path
+    if backend == "gloo" and gpus:  # gloo asked for, or auto with fewer GPUs than ranks: the CPU path
         gpus, side = 0, torch_layout(cfg, pair, 0)
     return backend, gpus, side
 

@@ -201,7 +201,7 @@ def test_overrides_map_what_the_rules_cannot():
         assert corr.by_torch["unembed.weight"].layout is LAYOUTS["linear"]
         assert corr.by_torch["unembed.bias"].flax_name == "params/head/bias"
     # a layout of the user's own must round-trip
-    from parity_tests.own.correspondence import CorrespondenceError
+    from jaxdp.interop import CorrespondenceError
 
     lossy = Layout("lossy", lambda w: np.round(w.T, 1), lambda k: k.T)
     corr = derive(pair.torch_model, shapes, {"unembed.weight": ("params/head/kernel", lossy),

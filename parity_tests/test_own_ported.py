@@ -312,9 +312,9 @@ def test_a_buffer_that_is_a_flax_param_and_a_frozen_parameter_are_values():
     requires_grad=False is Flax ``constants`` state: neither trains, both are compared as values."""
     corr = derived()
     t, pos = corr.by_torch["temperature"], corr.by_torch["pos"]
-    assert (t.flax_name, t.buffer, t.trains, t.held) == ("params/temperature", True, False, True)
-    assert (pos.flax_name, pos.frozen, pos.trains, pos.held) == ("constants/pos", True, False, False)
-    assert corr.held == [("params", "temperature")] and corr.torch_frozen == ["pos"]
+    assert (t.flax_name, t.buffer, t.trains, t.non_trainable_param) == ("params/temperature", True, False, True)
+    assert (pos.flax_name, pos.frozen, pos.trains, pos.non_trainable_param) == ("constants/pos", True, False, False)
+    assert corr.non_trainable_params == [("params", "temperature")] and corr.torch_frozen == ["pos"]
 
 
 def test_a_parameter_that_trains_against_flax_state_is_refused_naming_both_kinds():

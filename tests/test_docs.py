@@ -378,3 +378,64 @@ def test_readme_api_example_runs(tmp_path, monkeypatch):
     variables = jax.jit(linen.model.init)(jax.random.key(0), batch["tokens"][:, :-1])
     loss, (model_state, metrics) = jax.jit(namespace["loss_fn"])(variables["params"], {}, batch, None)
     assert np.isfinite(float(loss)) and model_state == {} and metrics == {}
+
+
+# ----------------------------------------------------------------------------- standing alone
+
+SKIPPED_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", "node_modules"}
+
+
+def repository_files(root=ROOT):
+    """The repository's files, tracked or not, less what .gitignore ignores (git's own list; without
+    git, a walk that skips the environments and caches)."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        return [os.path.join(root, p) for p in listed if p and os.path.isfile(os.path.join(root, p))]
+    except (OSError, subprocess.CalledProcessError):
+        found = []
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.startswith(".venv"))
+            found += [os.path.join(folder, f) for f in sorted(files)]
+        return found
+
+
+def citations(name, root=ROOT):
+    """``path:line`` of every text file of the repository at ``root`` whose line names the file ``name``."""
+    found = []
+    for path in repository_files(root):
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.readlines()
+        except (UnicodeDecodeError, OSError):
+            continue  # binary (a png), or unreadable: cites nothing
+        found += [f"{os.path.relpath(path, root)}:{n}" for n, line in enumerate(lines, 1) if name in line]
+    return found
+
+
+def test_the_repository_cites_no_design_file_it_does_not_hold():
+    """A clone holds everything its code and docs cite: the design notes live in docs/design-notes.md.
+    (The name is spelt in two halves, so that this file does not cite it.)"""
+    name = "DESIGN" + ".md"
+    if os.path.exists(os.path.join(ROOT, name)):
+        return
+    offenders = citations(name)
+    assert not offenders, (f"{len(offenders)} line(s) cite {name}, which the repository does not hold (point to "
+                           f"docs/design-notes.md instead): " + ", ".join(offenders))
+
+
+def test_the_citation_check_finds_a_citation(tmp_path):
+    (tmp_path / "pkg" / "data").mkdir(parents=True)
+    (tmp_path / "pkg" / "data" / "a.py").write_text("x = 1\n# see " + "DESIGN" + ".md section 3\n")
+    (tmp_path / "pic.png").write_bytes(b"\x89PNG\xff\xfe")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "log.txt").write_text("DESIGN" + ".md\n")  # ignored, as .gitignore says
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    want = [os.path.join("pkg", "data", "a.py") + ":2"]
+    assert citations("DESIGN" + ".md", str(tmp_path)) == want + [os.path.join("runs", "log.txt") + ":1"]  # no git
+    import subprocess
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    assert citations("DESIGN" + ".md", str(tmp_path)) == want

@@ -33,7 +33,7 @@ from jaxdp.runtime import target as gpu_target
 HERE = Path(__file__).parent
 JOB = HERE / "gpu_target_job.py"
 STRATEGIES = {"ddp": "ddp:bucket_cap_mb=2", "zero1": "zero1", "zero2": "zero2", "hsdp": "hsdp:mesh_shape=2x4"}
-ZERO3_BEFORE_TEMP = 168.1 * 2**20  # ResNet-18 w64 bf16 at 8xH100, before prefetch (DESIGN.md section 12)
+ZERO3_BEFORE_TEMP = 168.1 * 2**20  # ResNet-18 w64 bf16 at 8xH100, before prefetch (docs/design-notes.md)
 UNITS = 8  # ResNet-18's residual blocks
 MIB = 2**20
 

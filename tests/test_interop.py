@@ -244,7 +244,7 @@ def test_float64_matches_torch(x64, name, stem, size):
 
 
 # Float32, forward only: float32 gradients carry noise that BN amplifies into the
-# first convolutions (DESIGN.md measured up to 5e-4); float64 is the semantic check.
+# first convolutions (up to 5e-4: docs/design-notes.md); float64 is the semantic check.
 # Full ResNet-18 (CIFAR stem, BasicBlock) is also the one full-size check; the tiny
 # ResNet-50 covers the imagenet stem and Bottleneck.
 @pytest.mark.parametrize("name,stem,size,kw", [

@@ -31,7 +31,7 @@ F64 = jnp.float64
 
 
 def float64_stats(bn: nnx.BatchNorm) -> nnx.BatchNorm:
-    """nnx.BatchNorm keeps its statistics in float32 whatever its param_dtype (DESIGN.md section 11)."""
+    """nnx.BatchNorm keeps its statistics in float32 whatever its param_dtype (docs/design-notes.md, "Flax NNX against Linen")."""
     bn.mean = nnx.BatchStat(bn.mean[...].astype(F64))
     bn.var = nnx.BatchStat(bn.var[...].astype(F64))
     return bn

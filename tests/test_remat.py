@@ -4,7 +4,7 @@
 Both must train exactly as DDP does (float64); ``"none"`` must compile to what it claims:
 no recomputed convolution (DDP's count) and every unit's conv kernels gathered twice (forward,
 backward), read from the compiled HLO, never the jaxpr (XLA's passes can undo a remat,
-DESIGN.md section 9). Its temp memory, between DDP's and ``"unit"``'s, is a property of
+docs/design-notes.md, "ZeRO-3: remat and the passes that undo it"). Its temp memory, between DDP's and ``"unit"``'s, is a property of
 XLA's optimising scheduler, which the suite's ``--xla_backend_optimization_level=0`` turns
 off (there ``"none"`` measured below ``"unit"``): docs/zero3_remat.md has the numbers from
 ``jaxdp inspect``.

@@ -161,15 +161,15 @@ def test_the_graph_reads_function_level_and_relative_imports():
         graphlib.TopologicalSorter({**graph, "jaxdp.data.arrays": {"jaxdp.data.datasets"}}).prepare()
 
 
-def test_the_jaxdp_root_holds_packages_and_four_one_idea_modules():
+def test_the_jaxdp_root_holds_packages_and_three_one_idea_modules():
     """Folders by concern (docs/architecture.md): a new module goes into the package of its concern,
-    and every folder has its place in the layers. (The root's: the weight conversion, the optimizers,
-    and the two jax-free name tables.)"""
+    and every folder has its place in the layers. (The root's: the optimizers and the two jax-free
+    name tables; the weight conversion is the package interop/.)"""
     root = sorted(p.stem for p in (ROOT / "jaxdp").glob("*.py"))
-    assert root == ["__init__", "interop", "names", "optim", "registry"]
+    assert root == ["__init__", "names", "optim", "registry"]
     packages = sorted(p.parent.name for p in (ROOT / "jaxdp").glob("*/__init__.py"))
-    assert packages == ["analysis", "api", "checkpoint", "cli", "config", "data", "loss", "models", "parallel", "run",
-                        "runtime", "strategies"]
+    assert packages == ["analysis", "api", "checkpoint", "cli", "config", "data", "interop", "loss", "models",
+                        "parallel", "run", "runtime", "strategies"]
     placed = [folder for layer in LAYERS for folder in layer]
     members = [*packages, *(name for name in root if name != "__init__"), "jaxdp"]
     assert sorted(placed) == sorted(members), "place each folder and root module in LAYERS, once"
@@ -238,7 +238,7 @@ JAX_FREE = {
     "torch_commands.gpu_check.command": "gpu-check sets $JAX_PLATFORMS and XLA's flags before jax starts",
     "torch_ref.train": "the torch ranks start without jax (torch_ref's docstring)",
     "torch_ref.step_api": "the parity harness's torch ranks",
-    "jaxdp.data": "numpy only: jaxdp and torch_ref read the same batches (DESIGN.md)",
+    "jaxdp.data": "numpy only: jaxdp and torch_ref read the same batches (docs/design-notes.md)",
 }
 JAX_SIDE = ("jax", "jaxlib", "flax", "optax", "orbax")
 # Optional dependencies, imported only where they are used, so that jaxdp runs without them.

@@ -10,7 +10,7 @@ the activations, as Megatron's ``copy_to``/``reduce_from_tensor_model_parallel_r
   backward (each rank's slice contributes part of it);
 - after ``conv2``, an all-reduce of the partial output in forward and the identity in
   backward. torch's differentiable ``all_reduce`` would all-reduce the gradient too, which
-  with a loss identical on every tp rank overcounts by the tp size (DESIGN.md section 8).
+  with a loss identical on every tp rank overcounts by the tp size (docs/design-notes.md, "Model parallelism on CPU").
 
 The stem, ``bn2``, the shortcut and the head stay whole on every rank. State-dict keys are
 unchanged; ``canonical`` gathers a split tensor over the tp group back to its full shape.

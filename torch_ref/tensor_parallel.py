@@ -120,7 +120,7 @@ def tp_rank_steps(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
     wrapped = _data_parallel(model, mesh["dp"], cfg["strategy"])
     # Held from here on: DDP's forward hooks swap tensor-parallel params between their local
     # shards and DTensors, and after the first forward model.named_parameters() lists only
-    # the others (torch 2.13; DESIGN.md section 8). These objects are what DDP reduces.
+    # the others (torch 2.13; docs/design-notes.md, "Model parallelism on CPU"). These objects are what DDP reduces.
     named = list(model.named_parameters())
     optimizer = optimizer_for([p for _, p in named], cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"],
                               weight_decay=cfg["weight_decay"])

@@ -18,8 +18,9 @@ gradients of its own params only. The data-axis reduction is left to the strateg
 and zero1/zero2 run unchanged over ``data``.
 
 Why a scan: an unrolled tick loop's compile time grows with M + S (measured: flat at about
-0.5 s with the scan; DESIGN.md section 8). Its initial carry is built with ``jnp.zeros`` and
-cast to varying, because the carry becomes per-device after the first tick.
+0.5 s with the scan; docs/design-notes.md, "Model parallelism on CPU"). Its initial carry is
+built with ``jnp.zeros`` and cast to varying, because the carry becomes per-device after the
+first tick.
 
 Activations of different shapes (images into stage 0, tokens between blocks, logits out of
 the last) travel in one buffer per micro-batch, each example's activation flattened and
@@ -214,7 +215,7 @@ class Pipeline:
         return stage, m_count, pick, forward, unpacked, out_shape, start
 
     def cast(self, x):
-        """The schedule's carry varies per device from the first tick on (DESIGN.md section 8)."""
+        """The schedule's carry varies per device from the first tick on (docs/design-notes.md, "Model parallelism on CPU")."""
         return jax.lax.pcast(x, self.varying, to="varying")
 
     def run(self, stacked, micro, first_input, per_microbatch):

@@ -5,10 +5,10 @@ step, under every strategy with a torch twin (docs/parity.md, "Your own models")
     result = run_pair("mypackage.pairs:make_pair", PairRun(strategy="zero3", devices=2, dtype="float64"))
 
 - ``pair``: ``ModelPair`` (what the user gives) and the factory every torch rank builds it from;
-- ``correspondence``: which torch tensor is which Flax variable (HF's rules, overridable; tied
-  weights; ``kernels``: which way round a 2-D weight is stored on each side);
-- ``outputs``: a model's outputs walked keeping their types; ``held``: the tensors that do not
-  train in torch, compared as values;
+- ``correspondence``: which torch tensor is which Flax variable: ``jaxdp.interop``'s converter
+  (HF's rules, overridable; tied weights; HF's Conv1D), its refusals in the harness's words;
+- ``outputs``: a model's outputs walked keeping their types; ``non_trainable``: the tensors that
+  do not train in torch, compared as values;
 - ``config``: ``PairRun``, a run described with ``jaxdp parity``'s options;
 - ``setup``, ``jax_pair``, ``torch_rank``, ``sides``: one init for both, the batches, the refusals;
   K steps on each side (jaxdp's strategy; torch_ref's ``Runner`` on the launcher's ranks);

@@ -91,7 +91,7 @@ def _loss_over_wrong_axis(pair: ModelPair) -> ModelPair:
 def _square_linear_untransposed(corr):
     import dataclasses
 
-    from parity_tests.own.correspondence import LAYOUTS, Correspondence
+    from jaxdp.interop import LAYOUTS, Correspondence
 
     link = next((k for k in corr.links if k.layout.name == "linear" and len(set(k.shape)) == 1), None)
     if link is None:

@@ -8,11 +8,12 @@ Nothing here imports jax at module level.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict, List, Mapping, Sequence
 
 import numpy as np
 
-from parity_tests.own import held
+from parity_tests.own import non_trainable
 from parity_tests.own.outputs import map_arrays
 from parity_tests.own.pair import ModelPair, PairError
 
@@ -51,12 +52,12 @@ def host_batch(batch: Mapping[str, Any], dtype: str) -> Dict[str, np.ndarray]:
 
 def apply_fn(pair: ModelPair, model, dtype: str):
     """``(variables, batch) -> (loss, new model state)``: the model on the batch's inputs, in
-    training (``flax_kwargs``), its non-params collections mutable (the held params, which do not
+    training (``flax_kwargs``), its non-params collections mutable (the params that do not
     train, put back among the params and returned as they came); the pair's loss, averaged."""
     loss = pair_loss(pair, dtype)
 
     def run(variables, batch):
-        variables, kept = held.joined(variables)
+        variables, kept = non_trainable.joined(variables)
         mutable = [c for c in variables if c != "params"]
         args, kwargs = pair.arguments("flax", batch)
         out = model.apply(variables, *args, mutable=mutable or False, **kwargs)
@@ -117,11 +118,13 @@ def run_jax_pair(p, pair: ModelPair, model, corr, variables: Mapping[str, Any],
         p.jax_x64 = bool(jax.config.jax_enable_x64)
         units = {"units": tuple(pair.flax_units)} if "units" in options_of(cfg.strategy) else {}
         if nnx_pair.is_nnx(model):  # its rng state beside the weights, and its own loss form
-            model, pair_task, variables = nnx_pair.trained(pair, model, pair_loss(pair, cfg.dtype), variables)
+            model, pair_task, variables = nnx_pair.strategy_inputs(pair, model, pair_loss(pair, cfg.dtype), variables)
         else:
             pair_task = task(pair, model, cfg.dtype)
-            model, variables = held.for_strategy(model, corr.held), held.split(variables, corr.held)
+            keys = corr.non_trainable_params
+            model, variables = non_trainable.for_strategy(model, keys), non_trainable.split(variables, keys)
         strategy = create_strategy(cfg.strategy, model, pair_task, optimizer(p), make_mesh(cfg.devices),
                                    accum_steps=cfg.accum_steps, return_grads=True, **units, **p.jax_options)
         state = strategy.engine.init_state(variables)
-        return step_records(strategy, state, batches, cfg.optimizer, corr.params_to_torch, corr.state_to_torch)
+        return step_records(strategy, state, batches, cfg.optimizer, corr.params_to_torch,
+                            functools.partial(corr.state_to_torch, key=non_trainable.jax_key))

@@ -20,7 +20,7 @@ import numpy as np
 
 from parity_tests.compare import errors
 from parity_tests.own import nnx_pair
-from parity_tests.own.correspondence import normalized, spellings
+from jaxdp.interop import normalized, spellings
 from parity_tests.own.outputs import arrays
 
 BOUND = 1e-10  # float64's

@@ -62,14 +62,6 @@ def variables(module) -> Dict[str, Any]:
     return {k: v for k, v in own.items() if k in ("params", "batch_stats")}
 
 
-def module_classes(module) -> Dict[Tuple[str, ...], type]:
-    """The class of the submodule at each attribute path (``correspondence.derive`` reads a weight's
-    layout from its module's class, as it reads Linen's from the module that made it)."""
-    from flax import nnx
-
-    return {tuple(map(str, path)): type(node) for path, node in nnx.iter_graph(module) if isinstance(node, nnx.Module)}
-
-
 def loss_fn(pair: ModelPair, loss: Callable):
     """The pair's loss in NNX's form, ``loss_fn(model, batch, rng)``; ``loss(outputs, batch)`` is the
     run's (``jax_pair.pair_loss``)."""
@@ -79,7 +71,7 @@ def loss_fn(pair: ModelPair, loss: Callable):
     return run
 
 
-def trained(pair: ModelPair, module, loss: Callable, given: Dict[str, Any]):
+def strategy_inputs(pair: ModelPair, module, loss: Callable, given: Dict[str, Any]):
     """(model, task, variables) for ``jaxdp.strategies.create_strategy``: the module as the strategies
     take it, its NNX task, and ``given`` (params, batch_stats) with the module's own rng counts."""
     from jaxdp.loss.nnx_task import NNXModel, NNXTask
@@ -113,7 +105,7 @@ def draws(pair: ModelPair, module, example, loss: Callable) -> Optional[str]:
     from jaxdp.loss.nnx_task import NNXLossError
     from jaxdp.parallel.tensor import path_name
 
-    model, task, own = trained(pair, module, loss, {})
+    model, task, own = strategy_inputs(pair, module, loss, {})
     params = own.pop("params")
 
     def counts(params, state, batch):

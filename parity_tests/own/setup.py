@@ -19,7 +19,9 @@ from parity_tests.inputs import cast
 from parity_tests.own import bugs, nnx_pair
 from parity_tests.own.config import PairRun
 from jaxdp.models.errors import key_listing
-from parity_tests.own.correspondence import Correspondence, as_numpy, check_units, derive
+from jaxdp.interop import Correspondence, as_numpy
+from jaxdp.interop.convert import complete, module_classes, trace_linen
+from parity_tests.own.correspondence import check_round_trip, check_units, derive
 from parity_tests.own.jax_pair import apply_fn, flax_model_at, host_batch, pair_loss
 from parity_tests.own.pair import Factory, ModelPair, PairError
 from parity_tests.own.torch_rank import build_pair
@@ -61,7 +63,7 @@ def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None) -> Setup:
         state_dict = _one_init(pair, model, corr, run, example)
         if pair.init_from == "loaded":
             _check_loaded(fac, bug, run, state_dict)
-        corr.check_round_trip(state_dict)
+        check_round_trip(corr, state_dict)
         variables = corr.to_flax(state_dict, param_dtype(run.dtype))
         refuse_dropout(pair, model, variables, example, run.dtype)
         if run.strategy in FSDP_TWINS:
@@ -70,22 +72,14 @@ def prepare(fac: Factory, run: PairRun, bug: Optional[str] = None) -> Setup:
 
 
 def _flax_shapes(pair: ModelPair, model, example):
-    """The Flax variables' shapes, and the class of the module at each path (``correspondence.derive``)."""
-    import flax.linen as nn
+    """The Flax variables' shapes, and the class of the module at each path (``jaxdp.interop.derive``)."""
     import jax
 
     if nnx_pair.is_nnx(model):
-        return jax.eval_shape(lambda: nnx_pair.variables(model)), nnx_pair.module_classes(model)
+        return jax.eval_shape(lambda: nnx_pair.variables(model)), module_classes(model)
     args, kwargs = pair.arguments("flax", example)
-    classes: Dict[tuple, type] = {}
-
-    def record(next_fun, a, kw, ctx):
-        classes.setdefault(tuple(ctx.module.path), type(ctx.module))
-        return next_fun(*a, **kw)
-
-    with nn.intercept_methods(record), user_code("the Flax model's init on flax_inputs(batch)"):
-        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
-    return shapes, classes
+    with user_code("the Flax model's init on flax_inputs(batch)"):
+        return trace_linen(model, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -109,14 +103,13 @@ def _one_init(pair: ModelPair, model, corr: Correspondence, run: PairRun, exampl
     second name (``corr.tied``) holds its first name's values."""
     import jax
 
-    own = {k: as_numpy(v).copy() for k, v in pair.torch_model.state_dict().items()}
+    converted = {}
     if pair.init_from == "flax" and nnx_pair.is_nnx(model):  # built with its params
-        own.update(corr.to_torch(jax.device_get(nnx_pair.variables(model))))
+        converted = corr.to_torch(jax.device_get(nnx_pair.variables(model)))
     elif pair.init_from == "flax":
         args, kwargs = pair.arguments("flax", example)
-        own.update(corr.to_torch(jax.device_get(model.init(jax.random.key(run.seed), *args, **kwargs))))
-    own.update({alias: own[name] for alias, name in corr.tied.items()})
-    return cast(own, param_dtype(run.dtype))
+        converted = corr.to_torch(jax.device_get(model.init(jax.random.key(run.seed), *args, **kwargs)))
+    return cast(complete(corr, pair.torch_model.state_dict(), converted), param_dtype(run.dtype))
 
 
 def _check_loaded(fac: Factory, bug: Optional[str], run: PairRun, state_dict: Mapping[str, np.ndarray]) -> None:

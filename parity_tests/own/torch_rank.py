@@ -72,8 +72,8 @@ def pair_rank_steps(fac: Factory, bug: Optional[str], config: Mapping[str, Any],
                     batches: List[Mapping[str, np.ndarray]], buffers: Sequence[str],
                     frozen: Sequence[str] = ()) -> Optional[List[dict]]:
     """One rank's work: the pair's torch model stepped on this rank's batches (rank 0's records;
-    the ``frozen`` parameters, which do not train, recorded as values: ``held.torch_record``)."""
-    from parity_tests.own import bugs, held
+    the ``frozen`` parameters, which do not train, recorded as values: ``non_trainable.torch_record``)."""
+    from parity_tests.own import bugs, non_trainable
     from torch_ref import dist as tdist
     from torch_ref.step_api import build
 
@@ -82,7 +82,7 @@ def pair_rank_steps(fac: Factory, bug: Optional[str], config: Mapping[str, Any],
         runner = build(config, state_dict, model=pair.torch_model, task=PairTask(pair, buffers, config["dtype"]),
                        units=tuple(pair.torch_units))
         records = [runner.step(batch) for batch in batches]
-    return [held.torch_record(r, frozen) for r in records] if tdist.rank() == 0 else None
+    return [non_trainable.torch_record(r, frozen) for r in records] if tdist.rank() == 0 else None
 
 
 def per_rank(batches: Sequence[Mapping[str, np.ndarray]], p) -> List[List[Dict[str, np.ndarray]]]:

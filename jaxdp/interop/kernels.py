@@ -13,23 +13,25 @@ keeps its kernel (in, out), HF's ``FlaxConv1D`` (out, in). A weight is decided, 
    against Flax's ``Dense`` when the Flax classes were not traced, else it is refused with both
    candidates named.
 
-Torch is imported where a module is read; the Flax classes arrive as classes.
+Torch is never imported (``torch_classes``); the Flax classes arrive as classes.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+import flax.linen as nn
+
+from jaxdp.interop.torch_classes import is_torch
+
 OUT_IN, IN_OUT = "(out, in)", "(in, out)"
-TRANSPOSED, AS_IS = "linear", "identity"  # correspondence.LAYOUTS' names
+TRANSPOSED, AS_IS = "linear", "identity"  # layouts.LAYOUTS' names
 
 
 def torch_stores(module) -> Optional[str]:
     """How ``module`` stores its 2-D ``weight``, if its class says: Linear (out, in), HF's Conv1D
     (in, out: ``nx`` inputs, ``nf`` outputs, recognised by those attributes)."""
-    from torch import nn
-
-    if isinstance(module, nn.Linear):
+    if is_torch(module, "Linear"):
         return OUT_IN
     weight = getattr(module, "weight", None)
     nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
@@ -40,8 +42,6 @@ def torch_stores(module) -> Optional[str]:
 
 def flax_stores(cls) -> Optional[str]:
     """How a Flax module class keeps its 2-D ``kernel``, if known: Dense and DenseGeneral (in, out)."""
-    import flax.linen as nn
-
     return IN_OUT if isinstance(cls, type) and issubclass(cls, (nn.Dense, nn.DenseGeneral)) else None
 
 

@@ -1,9 +1,9 @@
-"""Weight conversion between torch ``state_dict``s and jaxdp's Flax models.
+"""jaxdp's own models (ResNet, ViT) and their torch twins: correspondences from key grammars.
 
-The one place where torch and Flax names and layouts meet. It works on numpy
-arrays only and never imports torch, so jaxdp stays importable without it
-(pass ``{k: v.numpy() for k, v in sd.items()}``, or the tensors themselves:
-anything with ``.detach().cpu().numpy()`` or ``__array__`` is accepted).
+A ResNet or ViT of jaxdp's needs no rules and no torch model to match: its variable tree
+mirrors the torch module tree, so each torch key names its Flax path, and the layouts are
+``jaxdp.interop.layouts``'. It works on numpy arrays only and never imports torch (pass
+``{k: v.numpy() for k, v in sd.items()}``, or the tensors themselves).
 
 Names. jaxdp's variable tree mirrors the torch module tree, so a torch key is
 the Flax path joined with dots, with the leaf renamed:
@@ -15,18 +15,13 @@ the Flax path joined with dots, with the leaf renamed:
     bn1.running_mean / _var        batch_stats/bn1/mean, batch_stats/bn1/var
     bn1.num_batches_tracked        (dropped; momentum is fixed, so it is never read)
 
-Layouts. Both frameworks compute cross-correlation (neither flips the kernel),
-so converting a convolution is a pure axis permutation: torch keeps
-(out, in, kh, kw) for NCHW inputs, Flax ``nn.Conv`` keeps (kh, kw, in, out) for
-NHWC, hence OIHW -> HWIO is ``transpose(2, 3, 1, 0)`` and HWIO -> OIHW is
-``transpose(3, 2, 0, 1)``. ``nn.Linear`` computes ``x @ W.T + b`` with W (out, in)
-while ``nn.Dense`` computes ``x @ K + b`` with K (in, out), so K = W.T.
-Everything else (BN vectors, biases) is stored identically.
+Layouts: a convolution's kernel is permuted (OIHW <-> HWIO), a Dense kernel transposed,
+everything else (BN vectors, biases) copied: ``LAYOUTS``' ``conv``, ``linear``, ``identity``.
 
 Each model keeps its key grammar beside it: ``jaxdp.models.resnet.torch_names``
 (torchvision's keys and their order) and ``jaxdp.models.vit.torch_names`` (timm's).
-Every public function here takes either, a ViT told apart by its ``cls_token``; the
-layouts are the rules above, here.
+Every public function here takes either, a ViT told apart by its ``cls_token``;
+``correspondence(state_dict)`` is the ``Correspondence`` they load a state_dict by.
 
 Conversion only moves and permutes values, never does arithmetic, so every
 round trip is bit-exact. The same rules convert any params-shaped tree (grads,
@@ -38,6 +33,8 @@ from typing import Any, Dict, Mapping, Tuple
 import jax
 import numpy as np
 
+from jaxdp.interop.correspondence import Correspondence, Link
+from jaxdp.interop.layouts import LAYOUTS, Layout, fresh_numpy
 from jaxdp.models.errors import key_listing
 from jaxdp.models.resnet import torch_names as resnet_names
 from jaxdp.models.vit import torch_names as vit_names
@@ -54,33 +51,13 @@ _NBT = resnet_names.NBT
 
 # --- layouts -----------------------------------------------------------------
 
-# Both return C-contiguous arrays, which torch.from_numpy and jax take without
-# surprises (a transposed view would carry its strides along).
-
-def _to_torch_layout(flax_leaf: str, x: np.ndarray) -> np.ndarray:
-    if flax_leaf == "kernel" and x.ndim == 4:
-        return np.ascontiguousarray(x.transpose(3, 2, 0, 1))  # HWIO -> OIHW
-    if flax_leaf == "kernel" and x.ndim == 2:
-        return np.ascontiguousarray(x.T)  # Dense (in, out) -> Linear (out, in)
-    return x
-
-
-def _to_flax_layout(flax_leaf: str, x: np.ndarray) -> np.ndarray:
-    if flax_leaf == "kernel" and x.ndim == 4:
-        return np.ascontiguousarray(x.transpose(2, 3, 1, 0))  # OIHW -> HWIO
-    if flax_leaf == "kernel" and x.ndim == 2:
-        return np.ascontiguousarray(x.T)  # Linear (out, in) -> Dense (in, out)
-    return x
-
-
-def _numpy(x: Any) -> np.ndarray:
-    """A fresh, writable numpy copy of a torch tensor (any device), jax array or numpy
-    array, without importing torch. Always a copy: ``state_dict()`` tensors share
-    storage with the live parameters, so a view would change under the caller's
-    feet at the next ``optimizer.step()`` (and jax hands out read-only views)."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):
-        x = x.detach().cpu().numpy()
-    return np.array(x, copy=True)
+def _layout(flax_leaf: str, ndim: int) -> Layout:
+    """A conv kernel (4-D) is permuted, a Dense kernel (2-D) transposed, everything else copied."""
+    if flax_leaf == "kernel" and ndim == 4:
+        return LAYOUTS["conv"]  # OIHW <-> HWIO
+    if flax_leaf == "kernel" and ndim == 2:
+        return LAYOUTS["linear"]  # Linear (out, in) <-> Dense (in, out)
+    return LAYOUTS["identity"]
 
 
 # --- tree <-> torch names ----------------------------------------------------
@@ -130,7 +107,7 @@ def tree_to_torch_names(tree, kind: str = "param") -> Dict[str, np.ndarray]:
     ``optimizer.state[p]["momentum_buffer"]``."""
     flat = _flatten(tree)
     return {
-        name: _to_torch_layout(path[-1], _numpy(flat[path]))
+        name: _layout(path[-1], np.ndim(flat[path])).to_torch(fresh_numpy(flat[path]))
         for name, path in param_name_map(tree, kind).items()
     }
 
@@ -148,7 +125,8 @@ def tree_from_torch_names(named: Mapping[str, Any], like_params, kind: str = "pa
     by_path = {}
     like = _flatten(like_params)
     for name, path in names.items():
-        x = _to_flax_layout(path[-1], _numpy(named[name]))
+        value = fresh_numpy(named[name])
+        x = _layout(path[-1], value.ndim).to_flax(value)
         if x.shape != tuple(np.shape(like[path])):
             raise ValueError(f"{name}: shape {x.shape} in Flax layout, expected {np.shape(like[path])}")
         by_path[path] = x
@@ -158,14 +136,31 @@ def tree_from_torch_names(named: Mapping[str, Any], like_params, kind: str = "pa
 
 # --- whole state_dicts -------------------------------------------------------
 
-def _nest(flat: Mapping[Path, Any]) -> dict:
-    out: dict = {}
-    for path, x in flat.items():
-        d = out
-        for p in path[:-1]:
-            d = d.setdefault(p, {})
-        d[path[-1]] = x
-    return out
+def correspondence(state_dict: Mapping[str, Any]) -> Correspondence:
+    """The ``Correspondence`` of a torchvision-layout ResNet's or a timm-layout ViT's
+    ``state_dict`` (its keys checked: ValueError naming every missing or unexpected one).
+    ``num_batches_tracked`` has no Flax variable (momentum is fixed, so it is never read)."""
+    if vit_names.is_vit_state_dict(state_dict):
+        vit_names.check_keys(state_dict, "state_dict")
+        return Correspondence([_link(name, ("params",) + vit_names.flax_path(name), value, False)
+                               for name, value in state_dict.items()])
+    resnet_names.check_keys(state_dict, "state_dict")
+    links, ignored = [], []
+    for name, value in state_dict.items():
+        *module, leaf = name.split(".")
+        if leaf == _NBT:
+            ignored.append(name)
+        elif leaf in ("running_mean", "running_var"):
+            links.append(_link(name, ("batch_stats", *module, leaf[len("running_"):]), value, True))
+        else:  # Conv (4-d) and Linear (2-d) weights are kernels, a 1-d weight is BN's scale; "bias" stays
+            flax_leaf = "bias" if leaf == "bias" else "kernel" if np.ndim(value) in (2, 4) else "scale"
+            links.append(_link(name, ("params", *module, flax_leaf), value, False))
+    return Correspondence(links, ignored)
+
+
+def _link(name: str, key: Path, value, buffer: bool) -> Link:
+    shape = tuple(np.shape(value))
+    return Link(name, key, _layout(key[-1], len(shape)), buffer, shape)
 
 
 def variables_from_state_dict(state_dict: Mapping[str, Any], dtype=None) -> dict:
@@ -176,33 +171,10 @@ def variables_from_state_dict(state_dict: Mapping[str, Any], dtype=None) -> dict
     Raises ValueError naming every missing or unexpected key.
 
     A ViT's state_dict gives ``{"params"}`` alone (it has no buffers), as its ``init`` does."""
-    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(np.dtype(dtype)))
+    variables = correspondence(state_dict).to_flax(state_dict, None if dtype is None else np.dtype(dtype))
     if vit_names.is_vit_state_dict(state_dict):
-        vit_names.check_keys(state_dict, "state_dict")
-        flat = {}
-        for name, value in state_dict.items():
-            path = vit_names.flax_path(name)
-            flat[path] = cast(_to_flax_layout(path[-1], _numpy(value)))
-        return {"params": _nest(flat)}
-    resnet_names.check_keys(state_dict, "state_dict")
-    params, stats = {}, {}
-    for name, value in state_dict.items():
-        *module, leaf = name.split(".")
-        module = tuple(module)
-        x = _numpy(value)
-        if leaf == _NBT:
-            continue
-        if leaf == "running_mean":
-            stats[module + ("mean",)] = cast(x)
-        elif leaf == "running_var":
-            stats[module + ("var",)] = cast(x)
-        elif leaf == "weight":
-            # Conv (4-d) and Linear (2-d) weights are kernels; a 1-d weight is BN's scale.
-            flax_leaf = "kernel" if x.ndim in (2, 4) else "scale"
-            params[module + (flax_leaf,)] = cast(_to_flax_layout(flax_leaf, x))
-        else:  # "bias": the key check admits no other leaf
-            params[module + ("bias",)] = cast(x)
-    return {"params": _nest(params), "batch_stats": _nest(stats)}
+        return {"params": variables.get("params", {})}
+    return {"params": variables.get("params", {}), "batch_stats": variables.get("batch_stats", {})}
 
 
 def state_dict_from_variables(variables: Mapping[str, Any], num_batches_tracked: int = 0) -> Dict[str, np.ndarray]:
@@ -230,6 +202,7 @@ def state_dict_from_variables(variables: Mapping[str, Any], num_batches_tracked:
 resnet_state_dict_keys = resnet_names.state_dict_keys
 
 __all__ = [
+    "correspondence",
     "param_name_map",
     "resnet_state_dict_keys",
     "state_dict_from_variables",
