@@ -197,8 +197,9 @@ class Checkpointer:
 
     def _set_aside(self, step: int) -> Optional[str]:
         """Rename an existing checkpoint of ``step`` out of orbax's sight (orbax saves no step
-        twice); the path it went to, or None."""
-        if step not in self.all_steps():
+        twice); the path it went to, or None. Process 0 decides, for every process of a job."""
+        there = jax.process_index() == 0 and step in self.all_steps()
+        if not share_from_first(f"set aside {step}", "yes" if there else ""):
             return None
         aside = self.step_dir(step) + SET_ASIDE
         if jax.process_index() == 0:

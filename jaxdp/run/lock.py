@@ -30,8 +30,9 @@ class RunDirInUse(RuntimeError):
 class RunLock:
     """Hold ``out``'s lock until ``release`` (or the process ends)."""
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, made_out: bool = False):
         self.path = os.path.join(out, NAME)
+        self.made_out = made_out  # the run made ``out``: it removes it if it ends up writing nothing there
         self._fd: Optional[int] = None
         while self._fd is None:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -88,8 +89,7 @@ def _read(fd: int) -> Optional[dict]:
     return holder if isinstance(holder, dict) else None
 
 
-def _write(fd: int, holder: Optional[dict]) -> None:
+def _write(fd: int, holder: dict) -> None:
     os.ftruncate(fd, 0)
-    if holder is not None:
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
     os.fsync(fd)

@@ -69,6 +69,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     finally:
         if lock is not None:
             lock.release()
+            if lock.made_out and not os.listdir(cfg.out):  # refused before it wrote anything: nothing to show
+                os.rmdir(cfg.out)
     rates = run.records_in_flight.rates if run.records_in_flight is not None else []
     return dict(run.summary, steps=run.global_step, seconds=time.perf_counter() - t_start, state=run.state,
                 images_per_sec=float(np.median(rates)) if rates else None)
@@ -81,9 +83,10 @@ def _hold_run_dir(cfg: TrainConfig) -> Optional[RunLock]:
     if job is not None and job.process_id != 0:
         return None
     refuse_foreign_dir(cfg)
+    made_out = not os.path.isdir(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
     try:
-        return RunLock(cfg.out)
+        return RunLock(cfg.out, made_out)
     except RunDirInUse as e:
         raise TrainError(str(e)) from None
 
