@@ -177,7 +177,7 @@ def test_a_run_directory_is_resumed_with_its_own_options(tmp_path):
 
 
 @pytest.mark.parametrize("content, ext, message", [
-    ("widht = 8\n", ".toml", "unknown option 'widht'; known: accum_steps, allreduce,"),
+    ("widht = 8\n", ".toml", "unknown option 'widht'; known: accept_unverified, accum_steps, allreduce,"),
     ("width = \n", ".toml", "TOMLDecodeError"),
     ("width: 8\n", ".ini", "unknown format .ini; use .toml, .json or .yaml"),
     (None, ".toml", "no such file"),

@@ -48,13 +48,15 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     flight, write its records, checkpoint it and raise ``KeyboardInterrupt`` (``Preempted``
     for SIGTERM) carrying ``checkpointed_step``."""
     check_config(cfg)
-    refuse_earlier_run(cfg, latest_orbax_step(cfg.out))  # before anything is written (again under the lock)
-    lock = _hold_run_dir(cfg)
+    refuse_earlier_run(cfg, latest_orbax_step(cfg.out))  # before any work (again under the lock)
+    refuse_foreign_dir(cfg)
+    t_start = time.perf_counter()
+    lock = None
     try:
-        overwrite = refuse_earlier_run(cfg, latest_orbax_step(cfg.out))
-        t_start = time.perf_counter()
         with DeferredInterrupt("jaxdp", job=distributed_env() is not None) as interrupt:
-            run = _Run(cfg, build(cfg), overwrite, interrupt)
+            setup = build(cfg)  # checks every name and size; writes nothing
+            lock = _hold_run_dir(cfg)
+            run = _Run(cfg, setup, refuse_earlier_run(cfg, latest_orbax_step(cfg.out)), interrupt)
             try:
                 _loop(run, stop_after_steps, on_step, t_start)
             except KeyboardInterrupt as e:
@@ -82,7 +84,9 @@ def _hold_run_dir(cfg: TrainConfig) -> Optional[RunLock]:
     job = distributed_env()
     if job is not None and job.process_id != 0:
         return None
-    refuse_foreign_dir(cfg)
+    refuse_foreign_dir(cfg)  # again: another run may have written there meanwhile
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise TrainError(f"--out {cfg.out} is a file, not a directory: pick another --out")
     made_out = not os.path.isdir(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
     try:
