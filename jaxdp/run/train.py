@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     finally:
         if lock is not None:
             lock.release()
-            if lock.made_out and not os.listdir(cfg.out):  # refused before it wrote anything: nothing to show
+            if lock.made_out and os.path.isdir(cfg.out) and not os.listdir(cfg.out):  # it wrote nothing there
                 os.rmdir(cfg.out)
     rates = run.records_in_flight.rates if run.records_in_flight is not None else []
     return dict(run.summary, steps=run.global_step, seconds=time.perf_counter() - t_start, state=run.state,
