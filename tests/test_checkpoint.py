@@ -114,3 +114,136 @@ def test_without_a_manifest_an_unreadable_checkpoint_counts_as_corrupt(tmp_path)
         restored, meta, step = ckpt.restore_latest(target(state_on(2, 6)))
     assert (step, meta, int(restored.step)) == (1, {"step": 1}, 7)
     ckpt.close()
+
+
+# ----------------------------------------------------------------------------- readers, manifests, replacing
+
+def steps_on_disk(directory):
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def test_a_reader_opened_during_a_save_deletes_nothing(tmp_path, monkeypatch):
+    """An evaluation script restoring from a live run while the run saves: the save in flight
+    (orbax's temporary folder) is not the reader's to remove; before, every open removed it."""
+    from jaxdp.checkpoint import store
+
+    writer = Checkpointer(str(tmp_path))
+    writer.save(1, state_on(2, 6), {"step": 1})
+    seen = {}
+
+    def read_now(name):
+        if name == "checkpoint_write":  # orbax writes on in its thread, into its temporary folder
+            seen["in flight"] = [n for n in os.listdir(tmp_path) if ".orbax-checkpoint-tmp" in n]
+            reader = Checkpointer(str(tmp_path))
+            restored, meta, step = reader.restore_latest(target(state_on(2, 6)))
+            reader.close()
+            seen["read"] = (step, meta)
+
+    monkeypatch.setattr(store, "fault_point", read_now)
+    writer.save(2, state_on(2, 6), {"step": 2})
+    writer.close()
+    assert seen["in flight"] and seen["read"] == (1, {"step": 1})
+    assert os.listdir(tmp_path) == ["1", "2"] or sorted(os.listdir(tmp_path)) == ["1", "2"]
+    assert Checkpointer(str(tmp_path)).verify(2)
+
+
+def test_a_checkpoint_becomes_visible_only_with_its_manifest(tmp_path, monkeypatch):
+    from jaxdp.checkpoint import store
+
+    real, seen = store.write_manifest, []
+
+    def write_manifest(root):
+        seen.append((os.path.basename(root), steps_on_disk(tmp_path)))
+        real(root)
+
+    monkeypatch.setattr(store, "write_manifest", write_manifest)
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, state_on(2, 6), {})
+    assert len(seen) == 1 and ".orbax-checkpoint-tmp" in seen[0][0] and seen[0][1] == []  # not yet a step
+    assert steps_on_disk(tmp_path) == [1] and ckpt.verify(1)
+    ckpt.close()
+
+
+def test_an_unverified_checkpoint_is_skipped_in_one_line_unless_accepted(tmp_path):
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, state_on(2, 6), {"step": 1})
+    ckpt.save(2, state_on(2, 6), {"step": 2})
+    os.remove(os.path.join(tmp_path, "2", MANIFEST))  # copied without it, or written by an older jaxdp
+    with pytest.warns(CheckpointWarning, match=rf"^checkpoint {tmp_path}/2 is unverified \(it has no manifest to "
+                                               r"check its files against\); falling back to step 1$"):
+        _, meta, step = ckpt.restore_latest(target(state_on(2, 6)))
+    assert (step, meta) == (1, {"step": 1})
+    with pytest.warns(CheckpointWarning, match=r"unverified .*: restoring it as accepted"):
+        _, meta, step = ckpt.restore_latest(target(state_on(2, 6)), accept_unverified=True)
+    assert (step, meta) == (2, {"step": 2})
+    os.remove(os.path.join(tmp_path, "1", MANIFEST))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with pytest.raises(CheckpointError, match=r"is unverified \(to restore step 2 as it is, accept unverified "
+                                                  r"checkpoints: jaxdp train --accept-unverified"):
+            ckpt.restore_latest(target(state_on(2, 6)))
+    ckpt.close()
+
+
+def test_saving_a_step_again_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    from jaxdp.checkpoint import store
+
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=1)
+    ckpt.save(5, state_on(2, 6), {"v": "old"})
+    during = []
+    monkeypatch.setattr(store, "fault_point", lambda name: during.append((name, sorted(os.listdir(tmp_path)))))
+    ckpt.save(5, state_on(2, 6), {"v": "new"})
+    written = dict(during)["checkpoint_write"]
+    assert "5" + store.SET_ASIDE in written  # the old one, whole, while the new one is written
+    assert sorted(os.listdir(tmp_path)) == ["5"] and ckpt.read_meta(5) == (5, {"v": "new"}) and ckpt.verify(5)
+    # a run killed in between: the next writer puts the old one back
+    os.rename(os.path.join(tmp_path, "5"), os.path.join(tmp_path, "5" + store.SET_ASIDE))
+    os.makedirs(os.path.join(tmp_path, "5.orbax-checkpoint-tmp-123"))
+    with pytest.warns(CheckpointWarning, match="removed 1 partially written checkpoint"):
+        assert store.remove_partial_saves(str(tmp_path)) == ["5.orbax-checkpoint-tmp-123"]
+    assert sorted(os.listdir(tmp_path)) == ["5"] and ckpt.read_meta(5) == (5, {"v": "new"})
+    ckpt.close()
+
+
+def test_a_full_disk_in_a_checkpoint_names_it_and_leaves_the_older_ones(tmp_path, monkeypatch):
+    import errno
+
+    from jaxdp.checkpoint import store
+    from jaxdp.runtime.durable import DiskFull
+
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, state_on(2, 6), {})
+
+    def full(root):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "write_manifest", full)
+    with pytest.raises(DiskFull, match=rf"^no space left on the device writing checkpoint 2 to {tmp_path}/2$"):
+        ckpt.save(2, state_on(2, 6), {})
+    assert steps_on_disk(tmp_path) == [1] and ckpt.verify(1)
+    ckpt.close()
+
+
+def test_write_atomically_uses_its_own_temporary_file_and_removes_it_when_the_disk_is_full(tmp_path, monkeypatch):
+    import errno
+
+    from jaxdp.runtime import durable
+
+    path = tmp_path / "config.json"
+    durable.write_atomically(str(path), "old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(durable.DiskFull, match=rf"^no space left on the device writing config.json to {path}$"):
+        durable.write_atomically(str(path), "new")
+    assert os.listdir(tmp_path) == ["config.json"] and path.read_text() == "old"
+
+
+def test_a_checkpoint_record_with_an_rng_jax_cannot_make_is_one_line():
+    from jaxdp.checkpoint.saving import _rng_key
+
+    with pytest.raises(CheckpointError, match=r"^checkpoint in /ck: its rng record \{'impl': 'bogus', 'data': \[0, 1\]\} "
+                                              r"is not a key this jax can make \(unrecognized PRNG implementation"):
+        _rng_key({"impl": "bogus", "data": [0, 1]}, "/ck")

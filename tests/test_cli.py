@@ -204,7 +204,7 @@ def test_a_run_directory_is_resumed_with_its_own_options(tmp_path):
 
 
 @pytest.mark.parametrize("content, ext, message", [
-    ("widht = 8\n", ".toml", "unknown option 'widht'; known: accum_steps, allreduce,"),
+    ("widht = 8\n", ".toml", "unknown option 'widht'; known: accept_unverified, accum_steps, allreduce,"),
     ("width = \n", ".toml", "TOMLDecodeError"),
     ("width: 8\n", ".ini", "unknown format .ini; use .toml, .json or .yaml"),
     (None, ".toml", "no such file"),
@@ -216,6 +216,46 @@ def test_config_file_mistakes_are_one_line(tmp_path, capsys, content, ext, messa
     assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"jaxdp: error: --config {path}: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('tensorboard = "no"', 'tensorboard = "no": expected true or false'),
+    ("width = 4.7", "width = 4.7: expected an integer"),
+    ("max-steps = 4.0", "max-steps = 4.0: expected an integer"),
+    ("blocks = [1, 1, 1]", 'blocks = [1, 1, 1]: expected a list of 4 integers (or the flag\'s text, e.g. "1,1,1,1")'),
+    ("mesh = 4", "mesh = 4: expected a string"),
+])
+def test_a_config_value_of_the_wrong_type_is_one_line_naming_file_key_and_value(tmp_path, capsys, line, expected):
+    """Typed as the flag is: before, a non-empty string was a true switch and 4.7 reached flax."""
+    path = tmp_path / "run.toml"
+    path.write_text(line + "\n")
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"jaxdp: error: --config {path}: {expected}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_value_is_parsed_as_its_flag_text_would_be(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('overwrite = "false"\nprogress = false\nblocks = "1,2,1,1"\nlr = 1\nwidth = "8"\n'
+                    'profile-steps = "2:4"\n')
+    cfg = train_config(["train", "--config", str(path)])
+    assert (cfg.overwrite, cfg.progress, cfg.blocks, cfg.lr, cfg.width, cfg.profile_steps) == (
+        False, False, (1, 2, 1, 1), 1.0, 8, (2, 4))
+
+
+def test_overwrite_false_in_a_config_file_never_deletes_a_run(tmp_path, capsys):
+    from jaxdp.config.tree import TrainConfig
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "12").mkdir(parents=True)  # a finished run, as far as the refusal looks
+    (out / "config.json").write_text(TrainConfig(out=str(out)).to_json())
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    path = tmp_path / "run.toml"
+    path.write_text('overwrite = "false"\nwidth = 4\nblocks = [1, 1, 1, 1]\nsynthetic-size = [64, 32]\n'
+                    'global-batch-size = 32\nmax-steps = 1\nprogress = false\n')
+    assert main(["train", "--config", str(path), "--out", str(out)]) == 2
+    assert "already holds checkpoints of an earlier run (latest step 12): pass --resume" in capsys.readouterr().err
+    assert (out / "checkpoints" / "12").is_dir() and (out / "metrics.jsonl").read_text().count("\n") == 1
 
 
 def test_resume_of_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):

@@ -49,8 +49,8 @@ KILLS = [
     "step:2",  # steps 4 (evaluated, checkpointed) and 5 done; 5 has no row yet
     "metrics_row:2",  # from 4: rows 5 and 6 written, not 6's evaluation
     "checkpoint_write:1",  # from 4: checkpoint 6 half written
-    "checkpoint_manifest:1",  # from 4 (6's leftover removed): checkpoint 6 complete, without its manifest
-    "sample_row:3",  # from 6: steps 7, 8 (an epoch's end) and 9's sample ids written
+    "checkpoint_manifest:1",  # from 4 (6's leftover removed): checkpoint 6 complete under a temporary name
+    "sample_row:3",  # from 4 (6 never listed, removed): steps 5, 6 and 7's sample ids written
 ]
 # In a 2-process job, where the second process adds something: orbax's commit waits for both;
 # process 1 writes its own sample-id log (@1: process 1 alone dies there, and the launcher stops
@@ -231,11 +231,11 @@ def assert_same_run(out, whole):
 def test_a_warning_is_one_line_for_a_cli_user_and_pythons_for_a_library_user(tmp_path, uninterrupted, monkeypatch,
                                                                               capsys):
     """The newest checkpoint corrupt: ``jaxdp train --resume`` says so in one line and falls back; the
-    library's ``Checkpointer.verify`` callers get Python's warning, source path included."""
+    library's callers get Python's warning, source path included."""
     import shutil
     import warnings
 
-    from jaxdp.checkpoint import Checkpointer
+    from jaxdp.checkpoint import remove_partial_saves
     from jaxdp.cli.command import main
 
     def shown(message, category, filename, lineno, file=None, line=None):  # what a terminal shows (pytest records)
@@ -260,7 +260,7 @@ def test_a_warning_is_one_line_for_a_cli_user_and_pythons_for_a_library_user(tmp
         assert not re.search(r"\.py:\d+", err), err
         assert warnings.formatwarning is warnings._formatwarning_orig  # put back for whoever runs next
         os.makedirs(os.path.join(out, "checkpoints", "13.orbax-checkpoint-tmp"))
-        Checkpointer(os.path.join(out, "checkpoints")).close()  # the library: Python's warning, from where
+        remove_partial_saves(os.path.join(out, "checkpoints"))  # the library: Python's warning, from where
         err = capsys.readouterr().err
         assert re.search(r"\.py:\d+: PartialSavesRemoved: removed 1 partially written checkpoint\(s\) left by an "
                          r"interrupted save: 13\.orbax-checkpoint-tmp in ", err), err

@@ -130,14 +130,16 @@ class Trainer:
         return saving.save(self.strategy, path, state, record, keep)
 
     def restore(self, path: str, example_batch, step: Optional[int] = None, *,
-                check: Optional[Callable[[dict], None]] = None, with_meta: bool = False):
+                check: Optional[Callable[[dict], None]] = None, with_meta: bool = False,
+                accept_unverified: bool = False):
         """The newest usable checkpoint in ``path`` (or ``step``), saved under any strategy, mesh or
         device count, by ``save`` or ``jaxdp train``, as this Trainer's state; restores ``init``'s rng
         stream too. ``check(meta)`` may refuse it before any array is read; ``with_meta``: returns
         ``(state, meta)``, meta as ``jaxdp.checkpoint.saving`` lays it out (``meta["record"]``: what
-        ``save`` was given)."""
+        ``save`` was given). A checkpoint without its manifest is unverified: skipped with a warning,
+        unless ``accept_unverified``. Only reads ``path``: a run may be saving there."""
         self._check(example_batch)
-        state, meta = saving.restore(self.strategy, path, example_batch, step, check)
+        state, meta = saving.restore(self.strategy, path, example_batch, step, check, accept_unverified)
         return (state, meta) if with_meta else state
 
     def canonical(self, state):

@@ -6,4 +6,4 @@ through saving.py, so either reads what the other wrote."""
 
 from jaxdp.checkpoint.store import (MANIFEST, CheckpointCorrupt, CheckpointError, Checkpointer,  # noqa: F401
                                     CheckpointUnreadable, CheckpointWarning, NoCheckpoint,
-                                    PartialSavesRemoved)
+                                    PartialSavesRemoved, remove_partial_saves)

@@ -48,26 +48,29 @@ def save(strategy, path: str, state, record: Optional[dict] = None, keep: int = 
 
 
 def restore(strategy, path: str, example_batch, step: Optional[int] = None,
-            check: Optional[Callable[[dict], None]] = None):
+            check: Optional[Callable[[dict], None]] = None, accept_unverified: bool = False):
     """(state, meta): the newest usable checkpoint in ``path`` (or ``step``) as ``strategy``'s state,
     and its record in this module's layout (older layouts upgraded).
 
     Read into shapes and shardings only (``abstract_state``): nothing whole is built, and a
     corrupt newest checkpoint falls back to the one before (``Checkpointer.restore_latest``).
     ``check(meta)`` runs before any array is read; what it raises (a checkpoint of another run)
-    is raised as is. The strategy's rng stream continues from the saved root.
+    is raised as is; ``accept_unverified``: a checkpoint without a manifest is restored (with a
+    warning) rather than skipped. The strategy's rng stream continues from the saved root. Nothing
+    in ``path`` is changed: a writer may be saving there.
     """
     target = strategy.engine.restore_target(example_batch)
 
     def checked(meta: dict) -> None:  # a record this jaxdp cannot read is refused here too
         meta = upgrade(meta)
+        _rng_key(meta["rng"], path)
         if check is not None:
             check(meta)
 
     ckpt = Checkpointer(path)
     try:
         if step is None:
-            stored, meta, step = ckpt.restore_latest(target, check_meta=checked)
+            stored, meta, step = ckpt.restore_latest(target, check_meta=checked, accept_unverified=accept_unverified)
         else:
             checked(ckpt.read_meta(step)[1])
             stored, meta = ckpt.restore(target, step)
@@ -75,8 +78,19 @@ def restore(strategy, path: str, example_batch, step: Optional[int] = None,
         ckpt.close()
     meta = upgrade(meta, step)
     if meta["rng"] is not None:
-        strategy.use_rng(jax.random.wrap_key_data(np.asarray(meta["rng"]["data"], np.uint32), impl=meta["rng"]["impl"]))
+        strategy.use_rng(_rng_key(meta["rng"], path))
     return strategy.engine.from_stored(stored), meta
+
+
+def _rng_key(rng: Optional[dict], path: str):
+    """The saved rng root as a key (None: none saved); a record jax cannot make one of is one line."""
+    if rng is None:
+        return None
+    try:
+        return jax.random.wrap_key_data(np.asarray(rng["data"], np.uint32), impl=rng["impl"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint in {path}: its rng record {rng!r} is not a key this jax can make "
+                              f"({' '.join(str(e).split())[:200]})") from None
 
 
 def _rng_root(strategy):

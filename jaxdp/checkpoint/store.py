@@ -9,21 +9,36 @@ resumes under another: the stored arrays have canonical shapes, orbax reads
 them into the new count's shardings, and the strategy converts with
 ``from_stored``. Any change of shape is refused, naming the array.
 
-Three ways a checkpoint can be bad, and what happens:
+A checkpoint becomes visible (a folder named by its step) only complete and with its manifest:
+orbax writes into ``<step>.orbax-checkpoint-tmp-*``; when every process has finished, process 0
+lets orbax commit it under a name that is still temporary, writes ``jaxdp_manifest.json`` there
+(every file's size and sha256) and only then renames it to ``<step>``. Saving a step that exists
+(a run resumed from the end of an epoch saves that step again) sets the old folder aside as
+``<step>.jaxdp-replaced`` and removes it once the new one is in place; a run that died in between
+finds it put back.
 
-- **partially written** (the process died while saving): orbax writes into
-  ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` only when every
-  process has finished, so it is never listed. Leftovers are removed (with a
-  warning) when the next run opens the directory.
-- **corrupted after the fact** (a truncated or garbled file): after each save,
-  process 0 records every file's size and sha256 in ``<step>/jaxdp_manifest.json``.
-  ``restore_latest`` checks them first (on process 0, which tells the others)
-  and names the first file that differs; a checkpoint without a manifest that
-  orbax cannot read counts as corrupted too. It then warns and falls back to the
-  previous checkpoint (``max_to_keep`` keeps 3).
+Nothing here deletes what another process may be writing: a reader (``Trainer.restore``, an
+evaluation script on a live run) only reads. Partial saves are removed by ``remove_partial_saves``,
+which only the directory's one writer calls (``jaxdp train``'s process 0, holding the run
+directory's lock: ``jaxdp.run.lock``).
+
+Ways a checkpoint can be bad, and what happens:
+
+- **partially written** (the process died while saving): a temporary name, never listed;
+  the next writer removes it (with a warning).
+- **corrupted after the fact** (a truncated or garbled file): ``restore_latest`` checks the
+  manifest first (on process 0, which tells the others), names the first file that differs,
+  warns and falls back to the previous checkpoint (``max_to_keep`` keeps 3).
+- **unverified** (no manifest: written by a jaxdp before the manifest came first, or copied
+  without it): skipped like a corrupt one, in one line, unless the caller accepts unverified
+  checkpoints (``accept_unverified``; ``jaxdp train --accept-unverified``), which then only
+  orbax's own reading checks.
 - **from another run** (different model, batch, seed...): not a corruption, so
   no fallback: the caller's ``check_meta`` raises ``CheckpointError``, and so
   does an array of another shape than the run needs.
+
+A full disk during a save is ``DiskFull`` (``jaxdp.runtime.durable``), naming the checkpoint;
+what it left has a temporary name.
 
 Multi-process: every process calls ``save`` (orbax coordinates: each writes its
 shards, process 0 the metadata) and the directory must be on a filesystem that
@@ -32,6 +47,7 @@ all processes share.
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -39,12 +55,14 @@ from typing import Callable, List, Optional, Tuple
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.path import atomicity  # the commit's rename, which the manifest must precede
 
-from jaxdp.runtime.distributed import share_from_first
-from jaxdp.runtime.durable import fault_point, write_atomically
+from jaxdp.runtime.distributed import barrier, share_from_first
+from jaxdp.runtime.durable import DiskFull, disk_full, fault_point, sync_folder, write_atomically
 
 MANIFEST = "jaxdp_manifest.json"
 _TMP_MARK = ".orbax-checkpoint-tmp"
+SET_ASIDE = ".jaxdp-replaced"  # a complete checkpoint of a step being saved again
 
 
 class CheckpointError(RuntimeError):
@@ -75,55 +93,120 @@ class PartialSavesRemoved(CheckpointWarning):
         self.names = names
 
 
+def remove_partial_saves(directory: str) -> List[str]:
+    """Remove what interrupted saves left in ``directory`` (temporary folders), put back a
+    checkpoint set aside for a save of its step that never completed, and return the removed
+    names (with a ``PartialSavesRemoved`` warning). Only the directory's one writer may call
+    it: another process's save in flight has the same names."""
+    if not os.path.isdir(directory):
+        return []
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.endswith(SET_ASIDE):
+            step_dir = path[:-len(SET_ASIDE)]
+            if not os.path.exists(step_dir):  # its replacement never became visible: it still counts
+                os.rename(path, step_dir)
+                continue
+        elif _TMP_MARK not in name:
+            continue
+        shutil.rmtree(path)
+        removed.append(name)
+    if removed:
+        warnings.warn(PartialSavesRemoved(f"removed {len(removed)} partially written checkpoint(s) left by an "
+                                          f"interrupted save: {', '.join(removed)} in {directory}", removed),
+                      stacklevel=2)
+    return removed
+
+
+class _VisibleWithManifest(atomicity.AtomicRenameTemporaryPath):
+    """orbax's commit by rename, with the manifest written first: orbax commits the step's folder
+    under a name that is still temporary, the manifest goes in, then the folder takes its step's
+    name. (Each item's folder inside the step's, state/ and meta/, commits as orbax does.)"""
+
+    async def finalize(self):
+        final = self._final_path
+        if not final.name.isdigit():
+            return await super().finalize()
+        staged = final.parent / f"{self._tmp_path.name}-complete"
+        self._final_path = staged
+        try:
+            await super().finalize()
+        finally:
+            self._final_path = final
+        fault_point("checkpoint_manifest")
+        write_manifest(str(staged))
+        os.rename(staged, final)
+        sync_folder(str(final.parent))
+
+
+class _QuietDiskFull(logging.Filter):
+    """Drops orbax's log records of a full disk (a traceback each): the save raises ``DiskFull``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and disk_full(record.exc_info[1]))
+
+
 class Checkpointer:
+    """A checkpoint directory. Opening it changes nothing in it (readers share it with a
+    writer): the writer removes partial saves itself (``remove_partial_saves``)."""
+
     def __init__(self, directory: str, max_to_keep: int = 3):
         self.directory = os.path.abspath(directory)
-        if jax.process_index() == 0:
-            self._remove_partial_saves()
         self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                                 temporary_path_class=_VisibleWithManifest),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
-
-    def _remove_partial_saves(self) -> None:
-        if not os.path.isdir(self.directory):
-            return
-        partial = sorted(name for name in os.listdir(self.directory) if _TMP_MARK in name)
-        for name in partial:
-            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-        if partial:
-            warnings.warn(PartialSavesRemoved(f"removed {len(partial)} partially written checkpoint(s) left by an "
-                                              f"interrupted save: {', '.join(partial)} in {self.directory}", partial),
-                          stacklevel=3)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, global_step: int, state, meta: dict) -> None:
         """Write and wait: the caller may exit right after, and must not lose this step.
 
         A checkpoint of the same step is replaced (a run resumed from the end of an epoch
-        saves that step again, now past the epoch's evaluation); an older one stays until
-        the new one is complete, so a crash in between falls back to it. The fault points
-        (``jaxdp.runtime.durable``) are the moments a kill can split a save at.
+        saves that step again, now past the epoch's evaluation): the old one is set aside and
+        goes only once the new one is visible; an older one stays until the new one is
+        complete, so a crash in between falls back to it. The fault points
+        (``jaxdp.runtime.durable``) are the moments a kill can split a save at; a full disk is
+        ``DiskFull``, naming the checkpoint.
         """
-        if global_step in self.all_steps():
-            self._manager.delete(global_step)
-        self._manager.save(
-            global_step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
-        fault_point("checkpoint_write")  # orbax writes on in its own thread, into its temporary folder
-        self._manager.wait_until_finished()
-        fault_point("checkpoint_manifest")
-        if jax.process_index() == 0:
-            self._write_manifest(global_step)
+        aside = self._set_aside(global_step)
+        quiet = _QuietDiskFull()
+        logging.getLogger("absl").addFilter(quiet)  # orbax logs its thread's error whole: DiskFull says it
+        try:
+            self._manager.save(
+                global_step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            fault_point("checkpoint_write")  # orbax writes on in its own thread, into its temporary folder
+            self._manager.wait_until_finished()  # process 0's commit writes the manifest (_VisibleWithManifest)
+        except Exception as e:
+            if aside and not os.path.exists(self.step_dir(global_step)):
+                os.rename(aside, self.step_dir(global_step))  # the old one stays the step's checkpoint
+            if disk_full(e):
+                raise DiskFull(f"checkpoint {global_step}", self.step_dir(global_step)) from e
+            raise
+        finally:
+            logging.getLogger("absl").removeFilter(quiet)
+        if jax.process_index() != 0:  # process 0 passed it in the commit, before the manifest
+            fault_point("checkpoint_manifest")
+        if aside:
+            shutil.rmtree(aside)
         fault_point("checkpoint_done")
 
-    def _write_manifest(self, step: int) -> None:
-        root = self.step_dir(step)
-        files = {rel: _describe(os.path.join(root, rel)) for rel in _files(root)}
-        write_atomically(os.path.join(root, MANIFEST), json.dumps({"format": 1, "files": files}, indent=0,
-                                                                  sort_keys=True))  # never a half-written one
+    def _set_aside(self, step: int) -> Optional[str]:
+        """Rename an existing checkpoint of ``step`` out of orbax's sight (orbax saves no step
+        twice); the path it went to, or None. Process 0 decides, for every process of a job."""
+        there = jax.process_index() == 0 and step in self.all_steps()
+        if not share_from_first(f"set aside {step}", "yes" if there else ""):
+            return None
+        aside = self.step_dir(step) + SET_ASIDE
+        if jax.process_index() == 0:
+            os.rename(self.step_dir(step), aside)
+        barrier(f"set aside checkpoint {step}")
+        self._manager.reload()
+        return aside
 
     # -- finding and checking ------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -140,8 +223,8 @@ class Checkpointer:
     def verify(self, step: int) -> bool:
         """Raise ``CheckpointCorrupt`` naming the first file that differs from what was saved.
 
-        Returns False when the checkpoint has no manifest (written by an older jaxdp, or the
-        process died between orbax's rename and the manifest): orbax's own checks still apply.
+        Returns False when the checkpoint has no manifest (unverified: written by an older jaxdp,
+        or copied without it).
         """
         root = self.step_dir(step)
         path = os.path.join(root, MANIFEST)
@@ -216,25 +299,36 @@ class Checkpointer:
                 f"{'absent' if have is None else 'shaped ' + str(have)}, this run needs "
                 f"{'none' if want is None else str(want)} (a different model or strategy state)")
 
-    def restore_latest(self, target, check_meta: Optional[Callable[[dict], None]] = None
-                       ) -> Tuple[object, dict, int]:
+    def restore_latest(self, target, check_meta: Optional[Callable[[dict], None]] = None,
+                       accept_unverified: bool = False) -> Tuple[object, dict, int]:
         """(state, meta, step) of the newest checkpoint that verifies and restores.
 
         A corrupted one is skipped with a ``CheckpointWarning`` naming the bad file, and the
-        previous one is tried. Corrupted means: a file differs from the manifest, or, for a
-        checkpoint without a manifest (the writer died between orbax's rename and the
-        manifest), orbax cannot read it. A verified checkpoint that fails to restore (out of
-        memory, a filesystem error) is raised, not skipped: its files are as written.
+        previous one is tried; so is an unverified one (no manifest), unless
+        ``accept_unverified``: then it is restored with a warning, and counts as corrupted if
+        orbax cannot read it. A verified checkpoint that fails to restore (out of memory, a
+        filesystem error) is raised, not skipped: its files are as written.
         ``check_meta(meta)`` runs before the arrays are read; its ``CheckpointError`` (wrong
         run) is raised as is, without falling back.
         """
         steps = self.all_steps()
         if not steps:
             raise NoCheckpoint(f"no checkpoint to resume from in {self.directory}")
-        problems = []
+        problems, unverified = [], []
         for step in reversed(steps):
+            older = [s for s in steps if s < step]
+            fallback = "falling back to step " + str(older[-1]) if older else "no older checkpoint"
             try:
                 has_manifest = self._verify_once(step)
+                if not has_manifest and not accept_unverified:
+                    unverified.append(step)
+                    problems.append(f"checkpoint {self.step_dir(step)} is unverified")
+                    warnings.warn(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check its "
+                                  f"files against); {fallback}", CheckpointWarning, stacklevel=2)
+                    continue
+                if not has_manifest:
+                    warnings.warn(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check its "
+                                  f"files against): restoring it as accepted", CheckpointWarning, stacklevel=2)
                 _, meta = self.read_meta(step)
                 if check_meta is not None:
                     check_meta(meta)
@@ -246,12 +340,12 @@ class Checkpointer:
                     raise CheckpointCorrupt(f"{e} (and it has no manifest to check its files against)") from e
             except CheckpointCorrupt as e:
                 problems.append(str(e))
-                older = [s for s in steps if s < step]
-                warnings.warn(f"{e}; {'falling back to step ' + str(older[-1]) if older else 'no older checkpoint'}",
-                              CheckpointWarning, stacklevel=2)
+                warnings.warn(f"{e}; {fallback}", CheckpointWarning, stacklevel=2)
                 continue
             return state, meta, step
-        raise CheckpointError(f"no usable checkpoint in {self.directory}: " + "; ".join(problems))
+        hint = (f" (to restore step {unverified[0]} as it is, accept unverified checkpoints: jaxdp train "
+                f"--accept-unverified, Trainer.restore(..., accept_unverified=True))" if unverified else "")
+        raise CheckpointError(f"no usable checkpoint in {self.directory}: " + "; ".join(problems) + hint)
 
     def _verify_once(self, step: int) -> bool:
         """``verify`` on process 0 only (one read of the files, not one per process); every
@@ -269,6 +363,13 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def write_manifest(root: str) -> None:
+    """Every file's size and sha256 under ``root``, in ``root/jaxdp_manifest.json``."""
+    files = {rel: _describe(os.path.join(root, rel)) for rel in _files(root)}
+    write_atomically(os.path.join(root, MANIFEST), json.dumps({"format": 1, "files": files}, indent=0,
+                                                              sort_keys=True))  # never a half-written one
 
 
 def _files(root: str) -> List[str]:

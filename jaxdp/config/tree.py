@@ -112,6 +112,9 @@ class Job:
                                     numbers=False)
     log_sample_ids: bool = option(False, "write each step's dataset ids to OUT/sample_ids.p<process>.jsonl",
                                   numbers=False)
+    accept_unverified: bool = option(False, "--resume: restore a checkpoint without its manifest (unverified: its "
+                                            "files cannot be checked) rather than fall back to an older one",
+                                     numbers=False)
 
 
 @dataclass

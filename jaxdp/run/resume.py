@@ -29,17 +29,18 @@ import warnings
 import jax
 import numpy as np
 
-from jaxdp.checkpoint import CheckpointError, NoCheckpoint, PartialSavesRemoved
+from jaxdp.checkpoint import CheckpointError, NoCheckpoint, PartialSavesRemoved, remove_partial_saves
 from jaxdp.config.tree import TrainConfig, TrainError, end_position
 from jaxdp.data.sampler import epoch_permutation
 from jaxdp.run.rundir import NOTHING_TO_RESUME, check_fingerprint, resuming_message
 
 
-def run_record(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int) -> dict:
+def run_record(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int, evaluated: bool = True) -> dict:
     """What a checkpoint keeps of the run beside the state: its place in the epochs, the data
-    position and the fingerprint of the options that change the numbers."""
+    position, the fingerprint of the options that change the numbers, and whether the state's
+    evaluation is done (``evaluated``: False for a state saved as a stop interrupted it)."""
     return {"epoch": epoch, "step_in_epoch": step_in_epoch, "fingerprint": cfg.fingerprint(),
-            "data": data_position(cfg, setup, epoch, step_in_epoch)}
+            "data": data_position(cfg, setup, epoch, step_in_epoch), "evaluated": evaluated}
 
 
 def data_position(cfg: TrainConfig, setup, epoch: int, step_in_epoch: int) -> dict:
@@ -60,12 +61,17 @@ def permutation_digest(n: int, seed: int, epoch: int) -> str:
 
 
 def start_state(cfg: TrainConfig, setup, checkpoints: str, example, is_main: bool):
-    """(state, (epoch, steps of it done), global step, what the resume found) to train from;
+    """(state, (epoch, steps of it done), global step, what the resume found, whether the state's
+    evaluation is done) to train from;
     ``checkpoints``: the directory. What the resume found (None for a fresh run) is the start of
-    the one line the run says about it: the checkpoint and its place, partial saves removed."""
+    the one line the run says about it: the checkpoint and its place, partial saves removed.
+    ``is_main``: this process is the run directory's one writer (it holds its lock), the only one
+    that removes partial saves."""
     if not cfg.resume:
+        if is_main:
+            remove_partial_saves(checkpoints)
         state = setup.trainer.init(jax.random.key(cfg.seed), example)  # each device builds its shards
-        return state, (0, 0), 0, None
+        return state, (0, 0), 0, None, True
 
     def same_run(meta: dict) -> None:  # before any array is read
         if meta["record"] is not None:
@@ -75,19 +81,30 @@ def start_state(cfg: TrainConfig, setup, checkpoints: str, example, is_main: boo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            state, meta = setup.trainer.restore(checkpoints, example, check=same_run, with_meta=True)
+            if is_main:
+                remove_partial_saves(checkpoints)
+            state, meta = setup.trainer.restore(checkpoints, example, check=same_run, with_meta=True,
+                                                accept_unverified=cfg.accept_unverified)
         except NoCheckpoint:  # checkpoint folders, but none that orbax lists as complete
             raise TrainError(NOTHING_TO_RESUME.format(out=cfg.out)) from None
     removed = _said_in_the_line(caught)
     position, global_step = _resume_position(cfg, setup, meta, is_main)
-    if position >= end_position(cfg, setup.steps_per_epoch):
+    if finished(position, cfg, setup.steps_per_epoch, meta["record"]):
         raise TrainError(f"the run in {cfg.out} already finished its {_length(cfg)} (step {global_step}): "
                          f"nothing to resume")
     found = resuming_message(global_step, position, setup.steps_per_epoch, cfg.global_batch_size,
                              len(setup.train_set))
     if removed:
         found += f"; removed {len(removed)} partial save(s) ({', '.join(removed)})"
-    return state, position, global_step, found
+    return state, position, global_step, found, (meta["record"] or {}).get("evaluated", True)
+
+
+def finished(position, cfg: TrainConfig, steps_per_epoch: int, record) -> bool:
+    """Whether a checkpoint at ``position`` ends the run: its last step done and evaluated. A state
+    saved at the last step as a stop interrupted its evaluation (a Ctrl-C, or a job's SIGTERM
+    before its SIGKILL, exit 137) is not: the resumed run evaluates it."""
+    end = end_position(cfg, steps_per_epoch)
+    return position > end or (position == end and (record or {}).get("evaluated", True))
 
 
 def _said_in_the_line(caught) -> list:

@@ -6,6 +6,7 @@ checks. Shared by jaxdp's and torch_ref's trainers; no jax, no torch.
     OUT/tensorboard/            the same numbers as TensorBoard scalars (``jaxdp.run.scalars``)
     OUT/sample_ids.p<k>.jsonl   --log-sample-ids: the dataset ids process k fed, per step
     OUT/checkpoints/            the trainer's own format (orbax for jaxdp, torch.save for torch_ref)
+    OUT/jaxdp.lock              who writes the run now (``jaxdp.run.lock``: one writer per directory)
 
 Resumed, every record file keeps what the checkpoint covers and continues after it, so it
 reads like one uninterrupted run, whatever moment a kill interrupted (each file's rule:
@@ -15,10 +16,12 @@ docs/checkpoints-and-faults.md, "What a kill leaves").
 import json
 import os
 import shutil
+import sys
 from typing import Callable, Optional, Tuple
 
 from jaxdp.config.tree import TrainConfig, TrainError
-from jaxdp.runtime.durable import fault_point, write_atomically
+from jaxdp.runtime.durable import DiskFull, disk_full, fault_point, write_atomically
+from jaxdp.run.lock import NAME as LOCK_NAME
 from jaxdp.run.scalars import open_scalar_writer
 
 NOTHING_TO_RESUME = ("--resume: {out} holds no checkpoint to resume from (check --out, or drop --resume "
@@ -51,12 +54,30 @@ class JsonLines:
             with open(path, "ab") as f:
                 f.truncate(size)
                 os.fsync(f.fileno())
-            self._file = open(path, "a")
+            self._file, self._size = _open_append(path), size
 
     def write(self, record: dict) -> None:
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()  # in the OS's hands: a killed process loses none of it
+            text = json.dumps(record) + "\n"
+            try:
+                self._file.write(text)
+                self._file.flush()  # in the OS's hands: a killed process loses none of it
+            except OSError as e:
+                self._cut_torn_row()
+                if disk_full(e):
+                    raise DiskFull(f"a row of {os.path.basename(self.path)}", self.path) from e
+                raise
+            self._size += len(text.encode())
+
+    def _cut_torn_row(self) -> None:
+        """A write that failed part-way (a full disk): the file ends with its last whole row
+        again, and takes no more (cutting needs no space)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the rest of the row, still buffered, fails again: it goes with the file
+        self._file = None
+        os.truncate(self.path, self._size)
 
     def sync(self) -> None:
         """On disk, not only in the OS's cache: before a checkpoint that covers these rows."""
@@ -70,6 +91,11 @@ class JsonLines:
     def close(self) -> None:
         if self._file:
             self._file.close()
+
+
+def _open_append(path: str):
+    """The file a JsonLines appends to (a test puts a full disk here)."""
+    return open(path, "a")
 
 
 def _covered_prefix(path: str, covers: Callable[[dict], bool]) -> Tuple[int, int, int]:
@@ -228,12 +254,50 @@ def refuse_earlier_run(cfg: TrainConfig, latest_step: Optional[int]) -> bool:
 
 def remove_run_files(out: str) -> None:
     """Delete what a run writes in ``out`` (checkpoints/, tensorboard/, metrics, config,
-    sample ids) and nothing else: ``out`` may hold the user's own files."""
-    for name in (CHECKPOINTS_DIR, TENSORBOARD_DIR):
-        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-    for name in os.listdir(out):
-        if name in ("metrics.jsonl", "config.json") or _sample_log_process(name) is not None:
-            os.remove(os.path.join(out, name))
+    sample ids) and nothing else: ``out`` may hold the user's own files. A symlink among them
+    goes as a link: what it points to, outside the run, stays. What cannot be removed stops it,
+    in one line."""
+    for name in sorted(os.listdir(out)):
+        if name in (CHECKPOINTS_DIR, TENSORBOARD_DIR, "metrics.jsonl", "config.json") or \
+                _sample_log_process(name) is not None:
+            _remove(os.path.join(out, name))
+
+
+def _remove(path: str) -> None:
+    def refuse(_function, failed, _info):
+        error = sys.exc_info()[1]
+        raise TrainError(f"--overwrite: cannot remove {failed} ({getattr(error, 'strerror', None) or error}); "
+                         f"the earlier run in {os.path.dirname(path)} is partly removed: remove the rest by hand, or "
+                         f"pick another --out") from None
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=refuse)
+        else:
+            os.remove(path)  # a file, or a link (never what it points to)
+    except OSError:
+        refuse(os.remove, path, None)
+
+
+def is_jaxdp_run(out: str) -> bool:
+    """Whether ``out`` holds a jaxdp run: its lock file, its checkpoints, or a config.json of
+    jaxdp's options."""
+    if os.path.exists(os.path.join(out, LOCK_NAME)) or latest_orbax_step(out) is not None:
+        return True
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "out" in saved and set(saved) <= set(TrainConfig.__dataclass_fields__)
+
+
+def refuse_foreign_dir(cfg: TrainConfig) -> None:
+    """A fresh run writes only into a new or empty directory, or an earlier jaxdp run's: never
+    into a folder of someone's own files (its config.json, metrics.jsonl would be replaced)."""
+    if cfg.resume or not os.path.isdir(cfg.out) or not os.listdir(cfg.out) or is_jaxdp_run(cfg.out):
+        return
+    raise TrainError(f"--out {cfg.out} is not empty and holds no jaxdp run (no config.json of one): jaxdp writes "
+                     f"runs into new or empty directories only; pick another --out")
 
 
 def check_fingerprint(saved: dict, current: dict, where: str) -> None:

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Optional
 
+from jaxdp.runtime.durable import DiskFull, disk_full
+
 NOT_SCALARS = ("kind", "step", "epoch")  # the record's coordinates, not values to plot
 
 _said_off = [False]
@@ -62,8 +64,13 @@ class ScalarWriter:
         """One TFRecord: length, its masked crc32c, the event, its masked crc32c."""
         data = self._event_pb2.Event(wall_time=time.time(), **fields).SerializeToString()
         header = struct.pack("<Q", len(data))
-        self._file.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
-        self._file.flush()
+        try:
+            self._file.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
+            self._file.flush()
+        except OSError as e:  # a torn last event: TensorBoard skips it
+            if disk_full(e):
+                raise DiskFull("a TensorBoard event", self._file.name) from e
+            raise
 
     def write(self, record: dict) -> None:
         values = [self._summary.Value(tag=f"{record['kind']}/{name}", simple_value=value)
@@ -77,7 +84,10 @@ class ScalarWriter:
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # what a full disk left buffered: the error was raised where it was written
+            pass
 
 
 def open_scalar_writer(logdir: str, keep_through_step: int = 0) -> Optional[ScalarWriter]:

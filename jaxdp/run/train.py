@@ -21,20 +21,21 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from jaxdp.config.tree import TrainConfig, check_config, end_position
+from jaxdp.config.tree import TrainConfig, TrainError, check_config, end_position
 from jaxdp.data.loader import eval_batches
 from jaxdp.runtime.distributed import barrier, distributed_env, preemption_sync_point
 from jaxdp.run.feed import flat_rows as _flat
 from jaxdp.run.feed import make_feed
 from jaxdp.run.flops import train_flops_per_image
 from jaxdp.run.interrupts import DeferredInterrupt
-from jaxdp.runtime.durable import fault_point
+from jaxdp.run.lock import RunDirInUse, RunLock
+from jaxdp.runtime.durable import DiskFull, fault_point
 from jaxdp.runtime.mesh import process_ranks
 from jaxdp.run.perf import ProfileWindow, StepCost, Utilisation, peak_flops
 from jaxdp.run.progress import Throughput, progress_bar, say
 from jaxdp.run.resume import run_record, start_state
 from jaxdp.run.rundir import (TENSORBOARD_DIR, MetricsLog, SampleLog, checkpoint_dir, latest_orbax_step,
-                              refuse_earlier_run, remove_run_files, write_config)
+                              refuse_earlier_run, refuse_foreign_dir, remove_run_files, write_config)
 from jaxdp.run.setup import build, example_batch, startup_header
 
 
@@ -47,20 +48,51 @@ def train(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None,
     flight, write its records, checkpoint it and raise ``KeyboardInterrupt`` (``Preempted``
     for SIGTERM) carrying ``checkpointed_step``."""
     check_config(cfg)
-    overwrite = refuse_earlier_run(cfg, latest_orbax_step(cfg.out))
+    refuse_earlier_run(cfg, latest_orbax_step(cfg.out))  # before any work (again under the lock)
+    refuse_foreign_dir(cfg)
     t_start = time.perf_counter()
-    with DeferredInterrupt("jaxdp", job=distributed_env() is not None) as interrupt:
-        run = _Run(cfg, build(cfg), overwrite, interrupt)
-        try:
-            _loop(run, stop_after_steps, on_step, t_start)
-        except KeyboardInterrupt as e:
-            run.keep_step_in_hand(e)
-            raise
-        finally:
-            run.close()
+    lock = None
+    try:
+        with DeferredInterrupt("jaxdp", job=distributed_env() is not None) as interrupt:
+            setup = build(cfg)  # checks every name and size; writes nothing
+            lock = _hold_run_dir(cfg)
+            run = _Run(cfg, setup, refuse_earlier_run(cfg, latest_orbax_step(cfg.out)), interrupt)
+            try:
+                _loop(run, stop_after_steps, on_step, t_start)
+            except KeyboardInterrupt as e:
+                run.keep_step_in_hand(e)
+                raise
+            finally:
+                run.close()
+    except DiskFull as e:
+        newest = latest_orbax_step(cfg.out)
+        raise TrainError(f"{e}; the newest complete checkpoint: "
+                         f"{'none yet' if newest is None else f'step {newest} in {checkpoint_dir(cfg.out)}'}") from None
+    finally:
+        if lock is not None:
+            lock.release()
+            if lock.made_out and os.path.isdir(cfg.out) and not os.listdir(cfg.out):  # it wrote nothing there
+                os.rmdir(cfg.out)
     rates = run.records_in_flight.rates if run.records_in_flight is not None else []
     return dict(run.summary, steps=run.global_step, seconds=time.perf_counter() - t_start, state=run.state,
                 images_per_sec=float(np.median(rates)) if rates else None)
+
+
+def _hold_run_dir(cfg: TrainConfig) -> Optional[RunLock]:
+    """The run directory's lock (``jaxdp.run.lock``), held by the job's process 0, its one writer;
+    a fresh run never starts in a folder of someone else's files."""
+    job = distributed_env()
+    if job is not None and job.process_id != 0:
+        return None
+    refuse_foreign_dir(cfg)  # again: another run may have written there meanwhile
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise TrainError(f"--out {cfg.out} is a file, not a directory: pick another --out")
+    made_out = not os.path.isdir(cfg.out)
+    os.makedirs(cfg.out, exist_ok=True)
+    try:
+        return RunLock(cfg.out, made_out)
+    except RunDirInUse as e:
+        raise TrainError(str(e)) from None
 
 
 def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callable], t_start: float) -> None:
@@ -77,7 +109,8 @@ def _loop(run: "_Run", stop_after_steps: Optional[int], on_step: Optional[Callab
         records.start_epoch(progress_bar(steps_per_epoch, first, f"epoch {epoch + 1}/{run.epochs}",
                                          cfg.progress and run.is_main))
         throughput.restart()  # the first interval holds the compile, or the last evaluation
-        for step_in_epoch, (batch, ids) in enumerate(batches, start=first):
+        # first == last: resumed from the run's last step, saved before its evaluation: only that is left
+        for step_in_epoch, (batch, ids) in enumerate(batches if first < last else (), start=first):
             records.before_step(batch)
             run.state, metrics = run.trainer.step(run.state, batch)
             # Bookkeeping at once, so that from here on the state in hand and its step number
@@ -134,8 +167,9 @@ class _Run:
             remove_run_files(cfg.out)
         os.makedirs(cfg.out, exist_ok=True)
         self.checkpoints = checkpoint_dir(cfg.out)  # written and read by the Trainer (Trainer.save/restore)
-        self.state, self.position, self.global_step, found = start_state(
+        self.state, self.position, self.global_step, found, evaluated = start_state(
             cfg, setup, self.checkpoints, example_batch(self.strategy.model), self.is_main)
+        self.evaluated_at = self.global_step if evaluated else None  # the step of the latest evaluation
         self.saved = (self.global_step, self.position)  # what the newest checkpoint holds
         self.first_step = self.global_step  # where this run started (0, or the checkpoint's step)
         barrier("init")  # the processes finish compiling the init at different times (see distributed.barrier)
@@ -151,7 +185,7 @@ class _Run:
             write_config(cfg.out, cfg)
         keep = self.global_step if cfg.resume else 0
         # A checkpoint at an epoch's end taken before the epoch's evaluation: the resumed run evaluates again.
-        evaluates_again = self.position[1] >= setup.steps_per_epoch
+        evaluates_again = self.position[1] >= setup.steps_per_epoch or not evaluated
         self.log = MetricsLog(cfg.out, self.is_main, keep, tensorboard=cfg.tensorboard, evaluates_again=evaluates_again)
         self.sample_log = SampleLog(cfg.out, cfg.log_sample_ids, keep, jax.process_index(), jax.process_count())
         if self.is_main and found is not None:  # one line: where it resumes, what it removed, kept and dropped
@@ -182,14 +216,17 @@ class _Run:
             self.records_in_flight.write()
         self.log.sync()
         self.sample_log.sync()
-        self.trainer.save(self.checkpoints, self.state, record=run_record(self.cfg, self.setup, *self.position),
-                          keep=self.cfg.keep)
+        at_end = self.position == end_position(self.cfg, self.setup.steps_per_epoch)
+        evaluated = not at_end or self.evaluated_at == self.global_step  # the run's last evaluation is done
+        self.trainer.save(self.checkpoints, self.state, keep=self.cfg.keep,
+                          record=run_record(self.cfg, self.setup, *self.position, evaluated=evaluated))
         self.saved = (self.global_step, self.position)
 
     def evaluate(self, epoch: int) -> None:
         barrier("evaluate")
         result = evaluate(self.trainer, self.state, self.setup.test_set, self.setup.per_device, self.ranks)
         self.log.eval(self.global_step, epoch, result)
+        self.evaluated_at = self.global_step
         if self.is_main:
             say(f"step {self.global_step} (epoch {epoch + 1}): eval loss {result['loss']:.4f} "
                 f"accuracy {result['accuracy']:.4f}")

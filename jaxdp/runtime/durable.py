@@ -2,7 +2,11 @@
 
 ``write_atomically``: a small file replaced whole (a temporary file beside it, fsync, ``os.replace``,
 fsync of the folder), so a reader finds the old text or the new one, never a half-written file,
-after any kill or power cut.
+after any kill or power cut. The temporary file's name is this write's own (two writers never share
+one) and it is removed when the write fails (a full disk).
+
+``DiskFull``: a write that found no space (ENOSPC, or a quota), naming what was written and where;
+``disk_full(e)`` finds one in an exception's chain (orbax re-raises its thread's errors wrapped).
 
 ``fault_point(name)``: a named moment in a run's writes (``POINTS``). A test (or ``make kill-check``)
 sets ``JAXDP_FAULT_AT=<point>[:<nth>][:<signal>][@<process>]`` and the process sends itself
@@ -14,9 +18,11 @@ does not parse is raised (``FaultSpecError``) by ``check_fault_spec``, which ``j
 first (one line), and by the first point, never at import.
 """
 
+import errno
 import os
 import signal
 import sys
+import uuid
 from typing import Optional
 
 ENV = "JAXDP_FAULT_AT"
@@ -26,7 +32,8 @@ POINTS = {  # name: what is on disk when the process dies there
                    "every process of a job passes the point)",
     "sample_row": "a step's row was just appended to sample_ids.p<k>.jsonl",
     "checkpoint_write": "a checkpoint's write has begun and not ended (orbax's temporary folder)",
-    "checkpoint_manifest": "a checkpoint is complete (orbax renamed it), its manifest is not written",
+    "checkpoint_manifest": "a checkpoint is complete under a temporary name, its manifest is not written, it is "
+                           "not listed (process 0, in orbax's commit; another process of a job: after the save)",
     "checkpoint_done": "a checkpoint and its manifest are written; the loop has not gone on",
     "log_rewrite": "on resume, a log's kept rows are found; the rows after them are not yet dropped",
     "config": "config.json's new text is in its temporary file, not yet in place",
@@ -91,15 +98,53 @@ def fault_point(name: str) -> None:
 
 def write_atomically(path: str, text: str, point: Optional[str] = None) -> None:
     """Replace ``path`` by ``text`` whole; ``point``: the fault point between writing and replacing."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if point is not None:
-        fault_point(point)
-    os.replace(tmp, path)
+    tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # this write's own: never another writer's
+    try:
+        with open(tmp, "x") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if point is not None:
+            fault_point(point)
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if disk_full(e):
+            raise DiskFull(os.path.basename(path), path) from e
+        raise
     sync_folder(os.path.dirname(path) or ".")
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass  # never written, or already gone
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(OSError):
+    """No space left while writing ``what`` (a phrase) to ``where`` (a path)."""
+
+    def __init__(self, what: str, where: str):
+        super().__init__(errno.ENOSPC, f"no space left on the device writing {what} to {where}")
+        self.what, self.where = what, where
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether ``e``, or an exception it was raised from, is a full disk (or quota)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in NO_SPACE or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def sync_folder(path: str) -> None:
