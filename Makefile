@@ -35,8 +35,16 @@ train: install
 # vs 12 min 16 s). Each test module runs whole on one worker (--dist loadfile), so its
 # module fixtures, in-process jit caches and shared torch runs are built once, not once per
 # worker: 11 min 20 s instead of 12 min 16 s on one machine.
+# make test JAX_LEG=0.12.0.1: the same suite on another jax, in .ci/jax_leg's venv (Python 3.12,
+# jaxlib and its GPU-target plugin of that version, flax 0.12.12, torch 2.14.1; built on first use).
+JAX_LEG ?=
+ifeq ($(JAX_LEG),)
 test: install install-gpu-target
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile
+else
+test:
+	JAX_LEG=$(JAX_LEG) .ci/jax_leg --suite
+endif
 
 # Compile-only GPU targets (jaxdp inspect/plan --target h100, without a GPU): JAX's CUDA plugin and PJRT
 # of the installed jaxlib's exact version, with --no-deps, in a directory of their own beside the venv

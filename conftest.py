@@ -38,10 +38,20 @@ os.environ.setdefault(_USER_SETTINGS, json.dumps({k: os.environ.get(k) for k in 
 # bit (FSDP units composed vs model.apply, a sharded vs an unsharded init). That is a property
 # of XLA's default emitters, which users run; the older emitters round a few values of such
 # pairs differently (1 ulp). Those tests re-run themselves in a subprocess without the flag.
+# jaxlib 0.12's XLA:CPU has the fusion emitters only, and aborts on the flag: there every test
+# compiles with XLA's default emitters already, and production_compiler tests run in-process.
+# Whether XLA takes it is asked once a session (a child process); the answer goes to the xdist
+# workers and subprocesses in the environment.
 _FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_FAST_EMITTERS_KNOWN = "JAXDP_TEST_FAST_EMITTERS"
 _PRODUCTION_ENV = "JAXDP_TEST_PRODUCTION_COMPILER"
+if _FAST_EMITTERS_KNOWN not in os.environ:
+    from jaxdp.runtime.startup import xla_accepts
+
+    os.environ[_FAST_EMITTERS_KNOWN] = "1" if xla_accepts(_FAST_EMITTERS) else "0"
+_FAST = os.environ[_FAST_EMITTERS_KNOWN] == "1" and not os.environ.get(_PRODUCTION_ENV)
 _TEST_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0") + \
-    (() if os.environ.get(_PRODUCTION_ENV) else (_FAST_EMITTERS,))
+    ((_FAST_EMITTERS,) if _FAST else ())
 _flags = os.environ.get("XLA_FLAGS", "")
 for _flag in _TEST_FLAGS:
     if _flag.split("=")[0] not in _flags:
@@ -175,8 +185,8 @@ def pytest_pyfunc_call(pyfuncitem):
     """A ``production_compiler`` test runs in a subprocess whose XLA uses its default emitters:
     one subprocess per module runs all of that module's marked tests (one start-up, its
     module fixtures built once), and each test reports its own outcome from there."""
-    if pyfuncitem.get_closest_marker("production_compiler") is None or os.environ.get(_PRODUCTION_ENV):
-        return None
+    if pyfuncitem.get_closest_marker("production_compiler") is None or not _FAST:
+        return None  # not marked, or this process compiles with XLA's default emitters already
     outcome = _production_outcomes(pyfuncitem).get(pyfuncitem.nodeid)
     assert outcome is not None, f"{pyfuncitem.nodeid}: no outcome from the subprocess with XLA's default emitters"
     status, text = outcome

@@ -1,10 +1,11 @@
-"""The torch leg's parity pairs (``.ci/torch_leg`` runs this in the leg's venv): ddp, zero1, zero3
-and hsdp at N=2 in float64 and zero3 in bfloat16 (gradients reduced in float32, and in bfloat16), on the parity tests' tiny ResNet, in one
-process (one JAX start and one forkserver for every pair's torch ranks: a fraction of five
+"""The legs' parity pairs (``.ci/torch_leg`` and ``.ci/jax_leg`` run this in their venvs): ddp,
+zero1, zero3 and hsdp at N=2 in float64 and zero3 in bfloat16 (gradients reduced in float32, and
+in bfloat16), on the parity tests' tiny ResNet, in one process (one JAX start and one forkserver
+for every pair's torch ranks: a fraction of six
 ``jaxdp parity`` runs). Prints the versions, then PASS or FAIL per pair with its largest error,
 and the full report of a failing pair; exit status 1 if any failed.
 
-    python .ci/parity_leg.py [--out runs/torch-leg]
+    python .ci/parity_leg.py [--out runs/torch-leg] [--leg "jax leg"]
 """
 
 import argparse
@@ -40,9 +41,10 @@ PAIRS = {
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/torch-leg", help="each pair's report (JSON) goes here")
+    parser.add_argument("--leg", default="torch leg", help="the name its lines start with")
     args = parser.parse_args(argv)
     versions = f"torch {torch.__version__}, jax {jax.__version__}"
-    print(f"torch leg: {versions}", flush=True)
+    print(f"{args.leg}: {versions}", flush=True)
     rows, failed = [], []
     for name, options in PAIRS.items():
         start = time.time()
@@ -55,9 +57,9 @@ def main(argv=None) -> int:
         if not result.passed:
             failed.append(name)
             report.print_report(result)
-    print(f"torch leg ({versions}), N=2:")
+    print(f"{args.leg} ({versions}), N=2:")
     print("\n".join(rows))
-    print(f"torch leg: {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")
+    print(f"{args.leg}: {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")
     return 1 if failed else 0
 
 

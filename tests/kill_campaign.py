@@ -32,6 +32,7 @@ import jax  # noqa: E402
 
 from jaxdp.run.rundir import latest_orbax_step  # noqa: E402
 from jaxdp.runtime.durable import ENV, POINTS  # noqa: E402
+from jaxdp.runtime.startup import xla_accepts  # noqa: E402
 from launch_helpers import Job, jaxdp, job_env  # noqa: E402
 from run_dirs import differences  # noqa: E402
 
@@ -46,6 +47,8 @@ LANDS = {"step": "7", "metrics_row": "9", "sample_row": "11", "checkpoint_write"
 FIRST = "checkpoint_done:2"  # checkpoints 5 and 8 written: something to resume
 TOPOLOGY = {1: ["--devices", "2"], 2: []}  # 2 processes: --devices-per-proc 1 each
 TIMEOUT = 300
+# conftest.py's, those XLA takes (jaxlib 0.12 has no older emitters to choose)
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 class Trial:
@@ -83,7 +86,7 @@ class Campaign:
         # a 2-process job whose processes compile for long on a busy machine timed out in gloo's
         # rendezvous (30 s) before its first step.
         self.env = {**{k: v for k, v in job_env().items() if k != ENV},
-                    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
+                    "XLA_FLAGS": " ".join(f for f in SUITE_XLA_FLAGS if xla_accepts(f)),
                     "JAXDP_COMPILER_OPTIONS": "xla_backend_optimization_level=2",
                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
         self.reference, self.seconds = {}, {}

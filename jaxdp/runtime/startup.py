@@ -10,6 +10,7 @@ at module level. A script that simulates devices calls ``simulate_cpu_devices`` 
 """
 
 import os
+import subprocess
 import sys
 from typing import Optional
 
@@ -44,6 +45,15 @@ def preset_device_count() -> Optional[str]:
     """The XLA_FLAGS entry that fixed the host device count before this process could, if any."""
     preset = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(FORCE_FLAG + "=")]
     return preset[-1] if preset else None
+
+
+def xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA takes ``flag`` in ``XLA_FLAGS``. XLA aborts a process whose
+    XLA_FLAGS hold a flag it does not know (jaxlib 0.12 dropped ``--xla_cpu_use_fusion_emitters``,
+    which 0.10.2 has), so a child process asks it: about a second, jax's import."""
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
+    return probe.returncode == 0
 
 
 def configure(devices: Optional[int], processes: int = 1) -> None:
