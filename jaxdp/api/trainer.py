@@ -101,7 +101,11 @@ class Trainer:
         self._check_loss = not isinstance(task, tasks.Classifier)
         self._default_inputs = model_inputs is None
         self._parts = (spec, model, task, tx)  # to build the strategy again on another mesh (inspect)
-        self.strategy = _strategy(spec.name, spec.options, spec.config, model, task, tx, mesh)
+        if spec.config is None:  # keywords: checked against the name's options, then typed by the class
+            self.strategy = create_strategy(spec.name, model, task, tx, mesh, **spec.options)
+        else:  # typed options go to the strategy's class as they are (an option reaches its code in 3 calls)
+            cls, fixed = engine_of(spec.name)
+            self.strategy = cls(model, task, tx, mesh, spec.config, **fixed, **spec.options)
         self.mesh = self.strategy.mesh
 
     def init(self, rng, example_batch):
@@ -187,9 +191,11 @@ class Trainer:
 
 
 def _strategy(name: str, options: dict, config: Optional[StrategyOptions], model, task, tx, mesh):
-    if config is None:  # keywords: checked against the name's options, then typed by the class
+    """The strategy ``Trainer.__init__`` builds, on another mesh (``inspect``); ``__init__`` builds its
+    own in place, so that an option reaches its code in three calls (tests/test_remat.py)."""
+    if config is None:
         return create_strategy(name, model, task, tx, mesh, **options)
-    cls, fixed = engine_of(name)  # typed options go to the strategy's class as they are (in 3 calls)
+    cls, fixed = engine_of(name)
     return cls(model, task, tx, mesh, config, **fixed, **options)
 
 
