@@ -103,9 +103,12 @@ def test_which_options_pair_with_torch_and_which_inspect_takes_are_field_metadat
 
     meta = {f.name: f.metadata for f in declared(StrategyOptions) if f.metadata["strategy_option"]}
     assert pairs.PAIR_OPTIONS == tuple(n for n, m in meta.items() if m["parity"]) == (
-        "bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape", "remat")
+        "bucket_cap_mb", "allreduce", "compress", "powersgd_rank", "staleness", "mesh_shape", "remat", "reduce_dtype",
+        "accum_reduce")
+    # accum_reduce: torch_ref's FSDP2 twin already syncs once per update (set_requires_gradient_sync)
     assert pairs.JAX_ONLY_OPTIONS == tuple(n for n, m in meta.items() if m["parity"] == "jax-only") == (
-        "allreduce", "staleness", "remat")
+        "allreduce", "staleness", "remat", "accum_reduce")
     assert inspect_command.FLAGS == tuple(n for n, m in meta.items() if m["inspect"])
-    assert inspect_command.STRATEGY_OPTIONS == ("allreduce", "compress", "powersgd_rank", "staleness", "remat")
+    assert inspect_command.STRATEGY_OPTIONS == ("allreduce", "compress", "powersgd_rank", "staleness", "remat",
+                                                "reduce_dtype", "accum_reduce")
     assert meta["powersgd_start_iter"]["parity"] is None  # it rides with --compress powersgd
