@@ -38,7 +38,7 @@ def at_least_one(text: str) -> int:
 
 def add_inspect_args(p) -> None:
     p.add_argument("--strategy", default="zero3", metavar=choices.listing(choices.STRATEGIES), help="data-parallel strategy")
-    p.add_argument("--devices", type=at_least_one, default=None,
+    p.add_argument("--devices", type=int, default=None,  # checked in run (one line; with --target, by Target)
                    help=f"devices (simulated on CPU; default {DEFAULT_DEVICES}); with --target, GPUs per host")
     add_target_flags(p)
     add_mesh_flag(p, what="the strategy on the data axis, tensor parallelism on model; adds memory and traffic per "
@@ -99,6 +99,8 @@ def _mesh_and_devices(args, target=None):
     if target is not None:
         mesh = mesh_sizes(args.mesh, target.devices) if args.mesh else None
         return mesh, target.devices
+    if args.devices is not None and args.devices < 1:  # was: 0 fell back to the default
+        raise ValueError(f"--devices must be >= 1 (omit it for {DEFAULT_DEVICES}), got {args.devices}")
     mesh = mesh_sizes(args.mesh, args.devices) if args.mesh else None
     devices = math.prod(mesh.values()) if mesh else args.devices or DEFAULT_DEVICES
     simulate_cpu_devices(devices)  # a no-op once jax runs or XLA_FLAGS fixes the count
