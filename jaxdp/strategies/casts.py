@@ -33,6 +33,12 @@ def single_casts(loss_fn, shapes, *args):
     return jax.tree_util.tree_unflatten(treedef, [_cast_of(jaxpr, v) for v in jaxpr.invars[:len(leaves)]])
 
 
+def none_of(shapes):
+    """``single_casts``' tree with no cast for any leaf: every param gathered as it is stored."""
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    return jax.tree_util.tree_unflatten(treedef, [None] * len(leaves))
+
+
 def _cast_of(jaxpr, var) -> Optional[jnp.dtype]:
     uses = _uses(jaxpr, var)
     if len(uses) != 1 or uses[0] is None:

@@ -302,8 +302,9 @@ class ZeRO(Strategy):
 
         def run(params, model_state, batch, key):
             chunks, unsharded = params if isinstance(params, Unsharded) else (params, None)
-            if not cast_to:
-                cast_to.append(casts.single_casts(loss_of(task), shapes, model_state, batch, key))
+            if not cast_to:  # pipeline stages read their one params vector by slices: no single cast to find
+                cast_to.append(casts.none_of(shapes) if self.pp is not None else
+                               casts.single_casts(loss_of(task), shapes, model_state, batch, key))
 
             def root_gather(path, c, s, dtype, *whole):
                 return c if in_unit(leaf_path(path), self.unit_paths) else gather_leaf(c, s, dtype, *whole)
