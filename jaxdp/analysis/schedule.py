@@ -76,7 +76,16 @@ def _phase_and_scope(op_name: str) -> Tuple[str, str]:
         op_name = (combined.group(1) or "") + combined.group(2).split(":")[0]
     phase = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "other"
     parts = [p for p in op_name.split("/")[:-1] if p and not _WRAPPER.match(p)]  # [-1]: the primitive
-    return phase, "/".join(parts)
+    return phase, "/".join(_unrepeated(parts))
+
+
+def _unrepeated(parts: list) -> list:
+    """The module path once where the name stack repeats it: a ``custom_vjp``'s backward traced inside
+    its unit's scope (the transpose of a gather in the compute dtype) reads ``layer4/1/layer4/1``."""
+    for k in range(1, len(parts) // 2 + 1):
+        if parts[k:2 * k] == parts[:k]:
+            return parts[:k] + parts[2 * k:]
+    return parts
 
 
 def _holds_matmul(module: Module, name: str, seen: Optional[set] = None) -> bool:
