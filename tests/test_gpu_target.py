@@ -93,10 +93,11 @@ def test_exposed_communication_is_each_collectives_and_they_add_up(h100x8, name)
     assert r["exposed_communication_s"] == pytest.approx(sum(c["exposed_s"] for c in r["collectives"]))
     assert r["estimated_step_s"] == pytest.approx(r["kernels_s"] + r["exposed_communication_s"])
     assert 0 < r["exposed_communication_s"] < r["communication_s"]
-    if name == "zero3":
+    if name == "zero3":  # the largest forward gather (the last block's) had one convert kernel in its window
         forward = [c for c in r["collectives"] if c["kind"] == "all-gather" and c["async"]][:9]
         biggest = max(forward, key=lambda c: c["bytes"])
-        assert biggest["exposed_s"] > 0.5 * biggest["ring_bytes"] / gpu_target.GPUS["h100"].nvlink_bandwidth
+        alone = biggest["ring_bytes"] / gpu_target.GPUS["h100"].nvlink_bandwidth
+        assert overlaps(biggest, matmul=True) and 0 <= biggest["exposed_s"] < alone  # now convolutions hide it
 
 
 def windows(report, kind, phase):
@@ -146,7 +147,9 @@ def test_zero3_prefetches_forward_and_backward(h100x8, name):
     for unit, running in forward[1:]:  # unit k+1's gather runs beside earlier units' compute
         assert running & set(BLOCKS[:BLOCKS.index(unit)]), f"{unit}'s gather overlaps no earlier unit: {running}"
     for unit, running in backward:  # unit k's re-gather beside later units' backward (the last: the head's)
-        later = set(BLOCKS[BLOCKS.index(unit) + 1:]) or {"fc", ""}  # the root's head: fc, pooling, the loss
+        # The last unit's re-gather may start with its own forward (its params then stay gathered to its
+        # backward, as torchtitan keeps the last block's): the head's few kernels left it synchronous.
+        later = set(BLOCKS[BLOCKS.index(unit) + 1:]) or {"fc", "", unit}  # the root's head: fc, pooling, the loss
         assert running & later, f"{unit}'s re-gather overlaps no backward before its own: {running}"
 
 
