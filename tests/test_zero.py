@@ -581,14 +581,14 @@ UNITS_OF_SMALL_RESNET = ("layer1/0", "layer2/0")
 def test_accum_reduce_once_is_refused_where_the_formula_says_it_does_not_fit(monkeypatch):
     """On a device that reports its memory: params, optimizer state, the gradient chunk and pΨ of
     unsharded gradients must fit, else one line before anything is compiled."""
-    import jaxdp.strategies.zero as zero
+    from jaxdp.strategies import accum_once
 
     model = small_resnet()
     strategy = make("zero3", model, optax.sgd(0.1), 4, units=UNITS, accum_steps=2, accum_reduce="once")
     state = strategy.engine.init_state(init(model))
     batch = strategy.engine.shard_batch(as_batch(*random_batch(16)))
-    psi_bytes = zero.unsharded_grad_bytes(strategy.local_shapes)
-    monkeypatch.setattr(zero, "memory_limit", lambda device: psi_bytes)  # room for the unsharded grads alone
+    psi_bytes = accum_once.unsharded_grad_bytes(strategy.local_shapes)
+    monkeypatch.setattr(accum_once, "memory_limit", lambda device: psi_bytes)  # room for the unsharded grads alone
     with pytest.raises(StrategyError, match="accum_reduce once needs .* GiB per device.*accum_reduce each"):
         strategy.engine.lower_step(state, batch)
     with pytest.raises(StrategyError, match="zero2' takes no option accum_reduce"):

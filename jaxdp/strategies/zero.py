@@ -31,17 +31,15 @@ reduce-scatter: 1.5x DDP); HSDP: 3Ψ(S-1)/S + 2(Ψ/S)(R-1)/R.
 Accumulation (``accum_steps`` K): stages 1 and 2 sum the local gradients over the K
 micro-batches and communicate once, as DDP's ``no_sync``. Stage 3 gathers, re-gathers and
 reduce-scatters every micro-batch and sums the chunks (torch FSDP without ``no_sync``):
-one reduction per K micro-batches would need the full local gradient to accumulate
-into, exactly the 4Ψ per device ZeRO-3 exists to remove. The sum is linear, so the
-result is DDP's. Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s): a
+one reduction per K micro-batches needs the full local gradient to accumulate into,
+exactly the 4Ψ per device ZeRO-3 exists to remove. ``accum_reduce="once"`` makes that
+trade on request (``accum_once.py``). The sum is linear, so the result is DDP's either way. Only elementwise optimizers shard this way (all of ``jaxdp.optim``'s): a
 transform that reduces over whole tensors would see only a chunk, so it is refused at init
 (``jaxdp.loss.reductions.check_shardable``); ``jaxdp.clip_by_global_norm`` is the sharded clip.
 """
 
 import dataclasses
 import functools
-
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +48,8 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdp.runtime.mesh import DATA_AXIS, REPLICA_AXIS, MeshDims, MeshError
-from jaxdp.parallel.protocol import varying_axes
-from jaxdp.strategies import casts, ddp, layout
+from jaxdp.strategies import accum_once, casts, ddp, layout
+from jaxdp.strategies.accum_once import Unsharded
 from jaxdp.strategies.base import Strategy
 from jaxdp.strategies.device_math import ddp_buffers, local_grads, train_metrics
 from jaxdp.strategies.errors import StrategyError
@@ -77,13 +75,6 @@ REASONS = {
     "accum_reduce": "accum_reduce is ZeRO-3's choice under accumulation; zero{stage} reduces once per update already",
 }
 SHARDED = frozenset({"units", "remat", "reduce_dtype", "accum_reduce"})  # ZeRO-3's own options
-
-
-class Unsharded(NamedTuple):
-    """What ``accum_reduce="once"``'s loss takes: the param chunks, and zeros of the full shapes that
-    take their gradient whole (None in a forward-only pass)."""
-    chunks: Any
-    unsharded: Any
 
 
 def why_not(stage: int, takes) -> dict:
@@ -179,13 +170,15 @@ class ZeRO(Strategy):
         params = self.differentiated(state.params)
         once = not whole and self.options.accum_reduce == "once"
         if once:
-            self.refuse_unless_unsharded_fits(state)
+            accum_once.refuse_unless_it_fits(self.mesh.devices.flat[0], state, self.local_shapes)
         loss, grads, model_state, metrics = local_grads(
             loss_fn, Unsharded(params, None) if once else params, state.model_state, batch,
             self.step_key(state.step), self.options.accum_steps,
-            grad_at=(lambda: self.unsharded_zeros(params), lambda p, z: Unsharded(p.chunks, z)) if once else None)
-        if once:
-            grads = self.scatter_unit_by_unit(grads)
+            grad_at=(lambda: accum_once.unsharded_zeros(params, self.local_shapes, self.axis, self.shards),
+                     lambda p, z: Unsharded(p.chunks, z)) if once else None)
+        if once:  # the summed whole gradients, reduce-scattered once per update
+            grads = accum_once.scatter_unit_by_unit(grads, self.local_shapes, self.unit_paths, self.axis,
+                                                    self.shards, self.reduce_dtype)
         grads, extra = self.chunk_of_average(grads, state)
         my_params = self.my_chunks(state.params) if whole else state.params
         updates, opt_state = self.tx.update(grads, state.opt_state, my_params)
@@ -221,49 +214,6 @@ class ZeRO(Strategy):
             return self.eval_task.eval_fn(state.params, state.model_state, batch)
         evaluating = self.gathering_loss(self.eval_task, lambda t: lambda p, ms, b, _: t.eval_fn(p, ms, b))
         return evaluating(state.params, state.model_state, batch, None)
-
-    def refuse_unless_unsharded_fits(self, state):
-        """One line if ``accum_reduce="once"`` does not fit the device by the formula: the state a device
-        keeps (params and optimizer chunks), its gradient chunk, and the unsharded gradients, pΨ
-        (``unsharded_grad_bytes``). Devices that report no limit (the CPU backend) are not checked."""
-        capacity = memory_limit(self.mesh.devices.flat[0])
-        if capacity is None:
-            return
-        kept = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves((state.params, state.opt_state)))
-        chunk = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state.params))
-        needed = kept + chunk + unsharded_grad_bytes(self.local_shapes)
-        if needed > capacity:
-            raise StrategyError(f"accum_reduce once needs {needed / 2**30:.2f} GiB per device for the model state "
-                                f"and the unsharded gradients, the device has {capacity / 2**30:.2f} GiB: use "
-                                "accum_reduce each (the default)")
-
-    def unsharded_zeros(self, chunks):
-        """Zeros of every param's full shape, varying where its gathered tensor varies: what
-        ``accum_reduce="once"`` takes the gradient at (``layout.gather_unsharded_grad``)."""
-        def zeros(c, s):
-            axes = set(varying_axes(c)) | ({self.axis} if layout.shard_dim(s.shape, self.shards) is not None else set())
-            return jax.lax.pcast(jnp.zeros(s.shape, c.dtype), tuple(sorted(axes)), to="varying") if axes else \
-                jnp.zeros(s.shape, c.dtype)
-        return jax.tree_util.tree_map(zeros, chunks, self.local_shapes)
-
-    def scatter_unit_by_unit(self, grads):
-        """The summed unsharded gradients reduce-scattered (summed) to this device's chunks in
-        ``reduce_dtype``: one reduce-scatter per FSDP unit, the last unit's first, then the root's."""
-        groups = self.unit_groups()
-        dtype = self.reduce_dtype
-
-        def scatter(gs):
-            out = layout.scatter_group([g.astype(dtype or g.dtype) for g in gs], self.axis, self.shards)
-            return [o.astype(g.dtype) for o, g in zip(out, gs)]
-        return layout.map_groups(scatter, grads, groups)
-
-    def unit_groups(self):
-        """Leaf indices of the params, one group per FSDP unit (backward's order: the last unit
-        first), the root's last."""
-        paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.local_shapes)]
-        units = list(reversed(self.unit_paths or []))
-        owner = [next((i for i, u in enumerate(units) if path[:len(u)] == u), len(units)) for path in paths]
-        return [g for g in ([i for i, o in enumerate(owner) if o == k] for k in range(len(units) + 1)) if g]
 
     # -- collectives ------------------------------------------------------------------------------
     def gathering_loss(self, task, loss_of):
@@ -328,19 +278,6 @@ class ZeRO(Strategy):
     def bucket_groups(self):
         """DDP's buckets (reverse definition order, torch's sizes) as groups of leaf indices."""
         return bucket_groups(self.local_shapes, self.param_order, self.limits, self.model_split)
-
-def unsharded_grad_bytes(shapes) -> int:
-    """pΨ: what ``accum_reduce="once"`` adds per device, every param's gradient whole."""
-    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree_util.tree_leaves(shapes)))
-
-
-def memory_limit(device):
-    """The bytes a device's allocator may use, None where it reports none (the CPU backend, compile-only GPUs)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # compile-only devices have no allocator to ask
-        return None
-    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
 def default_hsdp_shape(devices) -> tuple:
