@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jaxdp.analysis import trainer_inspect
 from jaxdp.api import validate
 from jaxdp.checkpoint import saving
 from jaxdp.loss import model_task, nnx_state, nnx_task, task as tasks
@@ -169,6 +168,8 @@ class Trainer:
         batch keeps its rows per device. ``options``: ``compile`` (False: state bytes only),
         ``schedule``, ``plot`` (a PNG of the estimated step), ``batch_per_device``, ``seed``
         (``jaxdp.analysis.trainer_inspect``)."""
+        from jaxdp.analysis import trainer_inspect  # the analysis stack, only when a Trainer is inspected
+
         spec, model, task, tx = self._parts
         keywords, config = trainer_inspect.without_mesh_shape(spec.options, spec.config)
         return trainer_inspect.inspect_trainer(
