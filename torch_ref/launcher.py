@@ -39,6 +39,7 @@ turns TF32 off itself on CUDA (``no_tf32``) and reports what it ran on (``rank_i
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -229,12 +230,13 @@ def run_ranks(world_size: int, fn: Callable[..., Any], rank_args: Optional[Seque
     workdir = tempfile.mkdtemp(prefix="torch_ref_launch_")
     procs = []
     try:
-        for r in range(world_size):
-            p = ctx.Process(target=_worker, name=f"torch_ref-rank{r}", daemon=True,
-                            args=(r, world_size, workdir, name, timeout_s, fn, tuple(rank_args[r]), rank_setup,
-                              os.getpid()))
-            p.start()
-            procs.append(p)
+        with _socket_sized_tempdir():
+            for r in range(world_size):
+                p = ctx.Process(target=_worker, name=f"torch_ref-rank{r}", daemon=True,
+                                args=(r, world_size, workdir, name, timeout_s, fn, tuple(rank_args[r]), rank_setup,
+                                      os.getpid()))
+                p.start()
+                procs.append(p)
         _wait(procs, workdir, timeout_s)
         out = []
         for r in range(world_size):
@@ -283,6 +285,31 @@ def run_steps(world_size: int, config: Mapping[str, Any], init_state_dict: Optio
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp",
            "torch.distributed.optim", "torch.distributed.checkpoint.state_dict",
            "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook", "torch_ref.step_api"]
+
+
+# A Unix socket's path holds at most 107 bytes on Linux (108 with its NUL).
+_SUN_PATH_MAX = 107
+
+
+@contextlib.contextmanager
+def _socket_sized_tempdir():
+    """While the ranks start, a temporary directory short enough for the fork server's socket.
+
+    Python before 3.13 puts that socket at ``$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``; under
+    a long ``TMPDIR`` (pytest's, a scheduler's job directory) the path is too long and the
+    first start fails with "AF_UNIX path too long". Python 3.13 falls back to ``/tmp`` there,
+    and so does this. Only the socket's directory moves: the launch directory was made before.
+    """
+    socket_path = os.path.join(tempfile.gettempdir(), "pymp-12345678", "listener-12345678")
+    if len(os.fsencode(socket_path)) <= _SUN_PATH_MAX or not os.path.isdir("/tmp"):
+        yield
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 def _context():
