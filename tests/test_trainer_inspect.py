@@ -1,5 +1,6 @@
 """``trainer.inspect``: the LM examples' own Trainers (NNX and Linen), built on 2 CPU devices, compiled
-for compile-only H100s (``jaxdp.analysis.trainer_inspect``): zero3 on one host of 8, hsdp on 2 hosts of 8.
+for compile-only H100s (``jaxdp.analysis.trainer_inspect``): each under zero3 on one host of 8 and
+under hsdp on 2 hosts of 8.
 
 The compiles run in a subprocess with the user's XLA flags (``trainer_inspect_job.py``), as
 test_gpu_target.py's do; they need JAX's CUDA plugin (``make install-gpu-target``) and skip without it,
@@ -18,7 +19,8 @@ from helpers import require_plugin
 
 HERE = Path(__file__).parent
 JOB = HERE / "trainer_inspect_job.py"
-JOBS = {"nnx-zero3": "nnx:zero3:1", "linen-hsdp": "linen:hsdp:2"}
+JOBS = {"nnx-zero3": "nnx:zero3:1", "linen-zero3": "linen:zero3:1", "nnx-hsdp": "nnx:hsdp:2",
+        "linen-hsdp": "linen:hsdp:2"}
 ROWS_PER_DEVICE, TOKENS = 4, 17  # 8 example rows on 2 devices; examples' SEQ + 1 int32 tokens a row
 
 
@@ -45,12 +47,15 @@ def test_argument_bytes_are_the_formulas_sharded_state_and_the_batch(reports, na
     assert r["state"]["measured"]["params"] == r["state"]["formula_padded"]["params"]
 
 
-def test_the_trainers_axes_are_laid_over_the_targets_gpus(reports):
+@pytest.mark.parametrize("flavour", ["nnx", "linen"])
+def test_the_trainers_axes_are_laid_over_the_targets_gpus(reports, flavour):
     """zero3 built on data=2 CPU devices: data=8 H100s. hsdp built on replica=2 x data=1: one shard group
     per host of 8, its replica all-reduce the only traffic between hosts."""
-    zero3, hsdp = reports[0]["nnx-zero3"], reports[0]["linen-hsdp"]
+    zero3, hsdp = reports[0][f"{flavour}-zero3"], reports[0][f"{flavour}-hsdp"]
     assert (zero3["mesh"], zero3["hosts"], zero3["target"]) == ({"data": 8}, 1, "h100")
     assert (hsdp["mesh"], hsdp["hosts"], hsdp["devices"]) == ({"replica": 2, "data": 8}, 2, 16)
+    assert not any(c["across_hosts"] for c in zero3["collectives"])
+    assert {"all-gather", "reduce-scatter"} <= {c["kind"] for c in zero3["collectives"]}
     across = {c["kind"] for c in hsdp["collectives"] if c["across_hosts"]}
     assert across == {"all-reduce"} and {"all-gather", "reduce-scatter"} <= {c["kind"] for c in hsdp["collectives"]}
     for r in (zero3, hsdp):
