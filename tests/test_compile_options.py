@@ -26,6 +26,17 @@ def test_parse_and_resolve(monkeypatch):
     assert not any(key.startswith("xla_cpu") for key in DEFAULTS["gpu"])  # never CPU options on a GPU
 
 
+def test_a_switch_typed_as_xla_flags_spell_it_reaches_xla_as_a_bool():
+    """``xla_cpu_enable_fast_math=true`` (XLA_FLAGS' spelling): XLA refused the text "true" as a bool."""
+    import jax
+    import jax.numpy as jnp
+
+    options = parse("xla_cpu_enable_fast_math=true xla_cpu_fast_math_honor_nans=False n=2")
+    assert options == {"xla_cpu_enable_fast_math": True, "xla_cpu_fast_math_honor_nans": False, "n": "2"}
+    del options["n"]
+    assert jax.jit(lambda x: x * 2, compiler_options=options).lower(jnp.ones(3)).compile() is not None
+
+
 def _strategy(options):
     net = create_model("resnet18", width=4, blocks=(1, 1, 1, 1))
     return build_strategy("ddp", make_mesh(2), net, "sgd", {"compiler_options": options})

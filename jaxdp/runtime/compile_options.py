@@ -35,7 +35,7 @@ class CompileOptionsError(ValueError):
 
 def parse(text: str) -> Dict[str, str]:
     """``"key=value key2=value2"`` (space- or semicolon-separated; values may hold commas) -> a dict;
-    ``"none"`` -> {}."""
+    ``"none"`` -> {}. ``true``/``false`` (any case) become bools."""
     if text.strip().lower() == "none":
         return {}
     options = {}
@@ -43,8 +43,13 @@ def parse(text: str) -> Dict[str, str]:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise CompileOptionsError(f"compile options are key=value pairs (or none), got {item!r}")
-        options[key] = value
+        options[key] = _SWITCHES.get(value.lower(), value)
     return options
+
+
+# XLA takes a switch only as Python's bool (or the text "True"/"False"): "true", as XLA_FLAGS spells it,
+# was refused ("'true' is not a valid bool value"). Other values travel as text, which XLA parses.
+_SWITCHES = {"true": True, "false": False}
 
 
 def resolve(options: Options, platform: str) -> Optional[Dict[str, object]]:
