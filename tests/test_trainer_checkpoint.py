@@ -109,3 +109,39 @@ def test_the_old_trainer_save_layout_restores_and_a_newer_format_is_one_line(tmp
     with pytest.raises(CheckpointError, match=r"^this checkpoint's record has format 3, written by a newer jaxdp "
                                               r"\(this one reads formats 1-2\): upgrade jaxdp to restore it$"):
         restorer.restore(str(tmp_path), batch(0))
+
+
+def test_a_step_asked_for_is_verified_as_the_newest_would_be(tmp_path):
+    """``restore(path, batch, step=N)`` checks N's manifest, as a resume checks the newest: a flipped
+    byte is raised naming the file (it was restored as read), a checkpoint without its manifest
+    needs ``accept_unverified`` (it was restored without a word), a step that is not there names
+    the steps that are. Never another step instead of the one asked for."""
+    import os
+    import warnings
+
+    from jaxdp.checkpoint import MANIFEST, CheckpointCorrupt, CheckpointWarning, NoCheckpoint
+
+    saver = trainer(jaxdp.DDP(), 2)
+    state = saver.init(jax.random.key(5), batch(0))
+    saver.save(str(tmp_path), state)
+    state, _ = saver.step(state, batch(1))
+    saver.save(str(tmp_path), state)
+    data = max((os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "1") for f in fs if f != MANIFEST),
+               key=os.path.getsize)  # the largest array file
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointCorrupt, match=rf"checkpoint {tmp_path}/1 is corrupt: file {data} differs"):
+        saver.restore(str(tmp_path), batch(0), step=1)
+    os.remove(tmp_path / "0" / MANIFEST)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {tmp_path}/0 is unverified .* accept_unverified=True\)$"):
+        saver.restore(str(tmp_path), batch(0), step=0)
+    with pytest.warns(CheckpointWarning, match="restoring it as accepted"):
+        restored = saver.restore(str(tmp_path), batch(0), step=0, accept_unverified=True)
+    assert int(restored.step) == 0
+    with pytest.raises(NoCheckpoint, match=rf"^no checkpoint of step 7 in {tmp_path} \(it has 0, 1\)$"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            saver.restore(str(tmp_path), batch(0), step=7)

@@ -53,7 +53,8 @@ def restore(strategy, path: str, example_batch, step: Optional[int] = None,
     and its record in this module's layout (older layouts upgraded).
 
     Read into shapes and shardings only (``abstract_state``): nothing whole is built, and a
-    corrupt newest checkpoint falls back to the one before (``Checkpointer.restore_latest``).
+    corrupt newest checkpoint falls back to the one before (``Checkpointer.restore_latest``); a
+    ``step`` asked for is verified the same way, and raised if corrupt or unverified.
     ``check(meta)`` runs before any array is read; what it raises (a checkpoint of another run)
     is raised as is; ``accept_unverified``: a checkpoint without a manifest is restored (with a
     warning) rather than skipped. The strategy's rng stream continues from the saved root. Nothing
@@ -72,8 +73,7 @@ def restore(strategy, path: str, example_batch, step: Optional[int] = None,
         if step is None:
             stored, meta, step = ckpt.restore_latest(target, check_meta=checked, accept_unverified=accept_unverified)
         else:
-            checked(ckpt.read_meta(step)[1])
-            stored, meta = ckpt.restore(target, step)
+            stored, meta = ckpt.restore_step(target, step, check_meta=checked, accept_unverified=accept_unverified)
     finally:
         ckpt.close()
     meta = upgrade(meta, step)

@@ -347,6 +347,25 @@ class Checkpointer:
                 f"--accept-unverified, Trainer.restore(..., accept_unverified=True))" if unverified else "")
         raise CheckpointError(f"no usable checkpoint in {self.directory}: " + "; ".join(problems) + hint)
 
+    def restore_step(self, target, step: int, check_meta: Optional[Callable[[dict], None]] = None,
+                     accept_unverified: bool = False) -> Tuple[object, dict]:
+        """(state, meta) of checkpoint ``step``, verified as ``restore_latest`` verifies each: the
+        step asked for, so a corrupt or unverified one is raised, never replaced by another."""
+        steps = self.all_steps()
+        if step not in steps:
+            raise NoCheckpoint(f"no checkpoint of step {step} in {self.directory} (it has "
+                               f"{', '.join(map(str, steps)) or 'none'})")
+        if not self._verify_once(step):
+            if not accept_unverified:
+                raise CheckpointError(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check "
+                                      f"its files against); to restore it as it is, accept unverified checkpoints: "
+                                      f"jaxdp train --accept-unverified, Trainer.restore(..., accept_unverified=True)")
+            warnings.warn(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check its files "
+                          f"against): restoring it as accepted", CheckpointWarning, stacklevel=2)
+        if check_meta is not None:
+            check_meta(self.read_meta(step)[1])
+        return self.restore(target, step)
+
     def _verify_once(self, step: int) -> bool:
         """``verify`` on process 0 only (one read of the files, not one per process); every
         process gets its verdict, so all of them resume from the same step."""
