@@ -33,7 +33,7 @@ class CompileOptionsError(ValueError):
     """Compile options written wrong (one line on the command line)."""
 
 
-def parse(text: str) -> Dict[str, str]:
+def parse(text: str) -> Dict[str, object]:
     """``"key=value key2=value2"`` (space- or semicolon-separated; values may hold commas) -> a dict;
     ``"none"`` -> {}. ``true``/``false`` (any case) become bools."""
     if text.strip().lower() == "none":
