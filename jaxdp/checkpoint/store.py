@@ -65,6 +65,11 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 SET_ASIDE = ".jaxdp-replaced"  # a complete checkpoint of a step being saved again
 
 
+# How a caller takes a checkpoint that has no manifest: named in every message that refuses one.
+ACCEPT_UNVERIFIED = ("accept unverified checkpoints: jaxdp train --accept-unverified, "
+                     "Trainer.restore(..., accept_unverified=True)")
+
+
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not match the run."""
 
@@ -323,12 +328,10 @@ class Checkpointer:
                 if not has_manifest and not accept_unverified:
                     unverified.append(step)
                     problems.append(f"checkpoint {self.step_dir(step)} is unverified")
-                    warnings.warn(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check its "
-                                  f"files against); {fallback}", CheckpointWarning, stacklevel=2)
+                    warnings.warn(f"{self._unverified(step)}; {fallback}", CheckpointWarning, stacklevel=2)
                     continue
                 if not has_manifest:
-                    warnings.warn(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check its "
-                                  f"files against): restoring it as accepted", CheckpointWarning, stacklevel=2)
+                    warnings.warn(f"{self._unverified(step)}: restoring it as accepted", CheckpointWarning, stacklevel=2)
                 _, meta = self.read_meta(step)
                 if check_meta is not None:
                     check_meta(meta)
@@ -343,8 +346,7 @@ class Checkpointer:
                 warnings.warn(f"{e}; {fallback}", CheckpointWarning, stacklevel=2)
                 continue
             return state, meta, step
-        hint = (f" (to restore step {unverified[0]} as it is, accept unverified checkpoints: jaxdp train "
-                f"--accept-unverified, Trainer.restore(..., accept_unverified=True))" if unverified else "")
+        hint = f" (to restore step {unverified[0]} as it is, {ACCEPT_UNVERIFIED})" if unverified else ""
         raise CheckpointError(f"no usable checkpoint in {self.directory}: " + "; ".join(problems) + hint)
 
     def restore_step(self, target, step: int, check_meta: Optional[Callable[[dict], None]] = None,
@@ -357,14 +359,14 @@ class Checkpointer:
                                f"{', '.join(map(str, steps)) or 'none'})")
         if not self._verify_once(step):
             if not accept_unverified:
-                raise CheckpointError(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check "
-                                      f"its files against); to restore it as it is, accept unverified checkpoints: "
-                                      f"jaxdp train --accept-unverified, Trainer.restore(..., accept_unverified=True)")
-            warnings.warn(f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check its files "
-                          f"against): restoring it as accepted", CheckpointWarning, stacklevel=2)
+                raise CheckpointError(f"{self._unverified(step)}; to restore it as it is, {ACCEPT_UNVERIFIED}")
+            warnings.warn(f"{self._unverified(step)}: restoring it as accepted", CheckpointWarning, stacklevel=2)
         if check_meta is not None:
             check_meta(self.read_meta(step)[1])
         return self.restore(target, step)
+
+    def _unverified(self, step: int) -> str:
+        return f"checkpoint {self.step_dir(step)} is unverified (it has no manifest to check its files against)"
 
     def _verify_once(self, step: int) -> bool:
         """``verify`` on process 0 only (one read of the files, not one per process); every
